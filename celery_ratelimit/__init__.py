@@ -1,0 +1,34 @@
+"""celery-ratelimit: one rate limit shared by every Celery worker node, kept in Redis.
+
+Public API::
+
+    from celery_ratelimit import Limit, Limiter, Decision, RateLimitedTask, ratelimit, install
+    from celery_ratelimit import RateLimitError, RateLimitExceeded
+"""
+
+from __future__ import annotations
+
+from ._decision import Decision
+from ._exceptions import (
+    InvalidLimit,
+    InvalidRate,
+    LimiterUnavailable,
+    RateLimitError,
+    RateLimitExceeded,
+)
+from ._limit import Limit
+from ._limiter import Limiter
+from ._rate import Rate
+
+__all__ = [
+    "Decision",
+    "InvalidLimit",
+    "InvalidRate",
+    "Limit",
+    "Limiter",
+    "LimiterUnavailable",
+    "Rate",
+    "RateLimitError",
+    "RateLimitExceeded",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""Decision: what the limiter answered for one call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._limit import Limit
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one :meth:`Limiter.acquire` (or ``peek``) call.
+
+    Attributes:
+        allowed: the call may run now; its cost has been counted.
+        remaining: weight still free in the tightest limit, counting reservations.
+        retry_after: seconds until this cost fits every limit (0.0 when allowed). For
+            a reservation, the seconds until the reserved slot.
+        reset_after: seconds until every limit of the call is back to full.
+        limit: the limit that set ``retry_after`` when denied, else ``None``.
+        reserved: a future slot was reserved for this call (``allowed`` is False; run it
+            ``retry_after`` seconds from now and confirm with ``token``).
+        token: the reservation token (hex), when ``reserved``.
+        at: the Redis server time of the decision, or of the reserved slot, in seconds
+            since the epoch.
+    """
+
+    allowed: bool
+    remaining: int
+    retry_after: float
+    reset_after: float
+    limit: Limit | None = None
+    reserved: bool = False
+    token: str | None = None
+    at: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.allowed

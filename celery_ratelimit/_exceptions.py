@@ -1,0 +1,40 @@
+"""The exception tree of celery-ratelimit.
+
+::
+
+    RateLimitError                      root: catch this to catch everything below
+    ├── InvalidRate(ValueError)         a rate string or Rate that cannot be a rate
+    ├── InvalidLimit(ValueError)        a Limit, cost, key template or setting that is wrong
+    ├── RateLimitExceeded               a task gave up after ``ratelimit_max_deferrals``
+    └── LimiterUnavailable              Redis could not be reached or answered with an error
+
+``InvalidRate`` and ``InvalidLimit`` are also ``ValueError`` so that plain ``except
+ValueError`` keeps working; type mistakes (a float cost, a bool cost) raise ``TypeError``.
+Errors from redis-py are translated where they enter, in ``Limiter``, and chained
+(``raise LimiterUnavailable(...) from exc``).
+"""
+
+from __future__ import annotations
+
+
+class RateLimitError(Exception):
+    """Base class of every error raised by celery-ratelimit."""
+
+
+class InvalidRate(RateLimitError, ValueError):
+    """A rate such as ``"10/s"`` could not be parsed or is out of range."""
+
+
+class InvalidLimit(RateLimitError, ValueError):
+    """A limit, cost, key template or setting is invalid."""
+
+
+class RateLimitExceeded(RateLimitError):
+    """A task was deferred more times than ``ratelimit_max_deferrals`` allows.
+
+    Raised inside the worker, so the task ends in ``FAILURE`` with this error.
+    """
+
+
+class LimiterUnavailable(RateLimitError):
+    """Redis could not be reached, timed out, or rejected the limiter's script."""

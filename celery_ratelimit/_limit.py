@@ -1,0 +1,191 @@
+"""Limit: a rate plus what it applies to (key), what a call costs, and how it is counted."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from ._exceptions import InvalidLimit
+from ._rate import Rate
+
+Algorithm = Literal["log", "counter"]
+RedisErrorPolicy = Literal["defer", "allow", "raise"]
+KeyFunc = Callable[..., object]
+CostFunc = Callable[..., int]
+
+ALGORITHMS: tuple[str, ...] = ("log", "counter")
+REDIS_ERROR_POLICIES: tuple[str, ...] = ("defer", "allow", "raise")
+
+
+def check_cost(cost: object, where: str = "cost") -> int:
+    """Return ``cost`` if it is a positive int (not a bool), else raise.
+
+    Raises:
+        TypeError: ``cost`` is a bool, a float or not a number.
+        InvalidLimit: ``cost`` is zero or negative.
+    """
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise TypeError(f"{where} must be a positive int, got {cost!r}")
+    if cost < 1:
+        raise InvalidLimit(f"{where} must be a positive int, got {cost!r}")
+    return cost
+
+
+def template_fields(template: str) -> tuple[str, ...]:
+    """The argument names a key template refers to; validates its braces.
+
+    Raises:
+        InvalidLimit: unbalanced braces, an empty ``{}``, or a field that is not a plain
+            argument name or position (``{user.id}``, ``{x!r}`` and ``{x:>5}`` are refused).
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise InvalidLimit(f"bad key template {template!r}: {exc}") from None
+    names: list[str] = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not (name.isidentifier() or name.isdigit()) or spec or conversion:
+            raise InvalidLimit(
+                f"bad key template {template!r}: field {{{name}}} must be a plain "
+                "argument name such as {tenant} or a position such as {0}"
+            )
+        names.append(name)
+    return tuple(names)
+
+
+@dataclass(frozen=True, init=False)
+class Limit:
+    """A shared rate limit: ``rate`` applied to ``key``, each call costing ``cost``.
+
+    Args:
+        rate: ``"10/s"``, ``"100/m"``, ``"9500/d"``, ``"50/10s"`` or a :class:`Rate`.
+        key: what shares the budget. A string, which in a task may be a template
+            formatted from the call's arguments (``"api:{tenant}"``), or a callable
+            taking the task's ``(*args, **kwargs)``. Default: the task name. The part
+            before the first ``:`` is the Redis Cluster hash tag: limits checked together
+            must share it.
+        cost: weight of one call, an int or a callable of ``(*args, **kwargs)``.
+        algorithm: ``"log"`` (exact sliding-window log, default) or ``"counter"``
+            (sliding-window counter: O(1) memory, approximate).
+        on_redis_error: ``"defer"``, ``"allow"`` or ``"raise"``; ``None`` uses the setting.
+        name: a label for logs and metrics; defaults to ``key@rate``.
+
+    Raises:
+        InvalidRate: ``rate`` cannot be parsed.
+        InvalidLimit: a bad template, algorithm, policy, or a cost above the limit.
+        TypeError: a cost that is not an int (or is a bool), a key of the wrong type.
+
+    Example::
+
+        Limit("100/m", key="yt:quota:{api_key}", cost=1)
+    """
+
+    rate: Rate
+    key: str | KeyFunc | None
+    cost: int | CostFunc
+    algorithm: Algorithm
+    on_redis_error: RedisErrorPolicy | None
+    name: str | None
+    fields: tuple[str, ...] = field(repr=False, compare=False)
+
+    def __init__(
+        self,
+        rate: str | Rate,
+        *,
+        key: str | KeyFunc | None = None,
+        cost: int | CostFunc = 1,
+        algorithm: Algorithm = "log",
+        on_redis_error: RedisErrorPolicy | None = None,
+        name: str | None = None,
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "rate", Rate.parse(rate))
+        set_(self, "key", key)
+        set_(self, "cost", cost)
+        set_(self, "algorithm", algorithm)
+        set_(self, "on_redis_error", on_redis_error)
+        set_(self, "name", name)
+        set_(self, "fields", ())
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.key is not None and not isinstance(self.key, str) and not callable(self.key):
+            raise TypeError(f"Limit key must be a string, a callable or None, got {self.key!r}")
+        if isinstance(self.key, str):
+            if not self.key:
+                raise InvalidLimit("Limit key must not be empty")
+            object.__setattr__(self, "fields", template_fields(self.key))
+        if not callable(self.cost):
+            check_cost(self.cost, "Limit cost")
+            if self.cost > self.rate.limit:
+                raise InvalidLimit(
+                    f"Limit cost {self.cost} is greater than the limit of {self.rate}: "
+                    "such a call could never run"
+                )
+        if self.algorithm not in ALGORITHMS:
+            raise InvalidLimit(
+                f"unknown algorithm {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}"
+            )
+        if self.on_redis_error is not None and self.on_redis_error not in REDIS_ERROR_POLICIES:
+            raise InvalidLimit(
+                f"unknown on_redis_error {self.on_redis_error!r}: expected one of "
+                f"{', '.join(REDIS_ERROR_POLICIES)}"
+            )
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise InvalidLimit(f"Limit name must be a non-empty string, got {self.name!r}")
+
+    @property
+    def label(self) -> str:
+        """``name`` if given, else ``key@rate`` (for logs and metrics)."""
+        if self.name:
+            return self.name
+        key = self.key if isinstance(self.key, str) else getattr(self.key, "__name__", "task")
+        return f"{key or 'task'}@{self.rate}"
+
+
+LimitSpec = Union[str, Rate, Limit, Iterable[Union[str, Rate, Limit]]]
+
+
+def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
+    """Normalize a rate string, a :class:`Rate`, a :class:`Limit` or a list of them.
+
+    Raises:
+        InvalidLimit: an empty list, or limits of different algorithms in one list.
+        TypeError: an item that is none of the above.
+    """
+    if isinstance(spec, (str, Rate)):
+        items: Sequence[object] = [Limit(spec)]
+    elif isinstance(spec, Limit):
+        items = [spec]
+    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, Mapping)):
+        items = list(spec)
+    else:
+        raise TypeError(f"{what} must be a rate string, a Limit or a list of Limits, got {spec!r}")
+    limits: list[Limit] = []
+    for item in items:
+        if isinstance(item, (str, Rate)):
+            item = Limit(item)
+        if not isinstance(item, Limit):
+            raise TypeError(f"{what} must contain rate strings or Limits, got {item!r}")
+        limits.append(item)
+    if not limits:
+        raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
+    algorithms = {limit.algorithm for limit in limits}
+    if len(algorithms) > 1:
+        raise InvalidLimit(
+            f"{what} mixes algorithms {sorted(algorithms)}: limits checked together "
+            "must all be 'log' or all be 'counter'"
+        )
+    return tuple(limits)
+
+
+def describe(limits: Iterable[Limit]) -> str:
+    """A short text for logs: ``"yt:quota@9500/d + search@100/m"``."""
+    return " + ".join(limit.label for limit in limits)
+
+
+__all__ = ["Limit", "LimitSpec", "check_cost", "describe", "template_fields", "to_limits"]

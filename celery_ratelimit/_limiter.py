@@ -1,0 +1,220 @@
+"""Limiter: a Redis client plus the Lua scripts, answering with a :class:`Decision`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ._decision import Decision
+from ._exceptions import InvalidLimit, LimiterUnavailable
+from ._keys import escape_key, redis_key
+from ._limit import Limit, LimitSpec, check_cost, to_limits
+from ._scripts import source
+
+#: Script modes (ARGV[3]); see the header of lua/sliding_log.lua.
+ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
+#: Reply statuses.
+DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED = 0, 1, 2, 3, 4
+
+DEFAULT_PREFIX = "ratelimit"
+#: Client defaults: a hung or refused Redis costs a task at most about this long.
+DEFAULT_SOCKET_TIMEOUT = 2.0
+DEFAULT_CONNECT_TIMEOUT = 2.0
+#: Reservations are never made further ahead than this by default (seconds).
+DEFAULT_HORIZON = 3600.0
+
+Client = Any  # redis.Redis or redis.cluster.RedisCluster
+
+
+class Limiter:
+    """Shared rate limits kept in Redis, decided atomically by one Lua script per call.
+
+    Args:
+        client: a ``redis.Redis`` (or ``RedisCluster``) client. Replies are read as
+            integers, so ``decode_responses`` does not matter.
+        prefix: first part of every key (``ratelimit`` by default), for ACLs and scans.
+
+    Example::
+
+        limiter = Limiter.from_url("redis://localhost:6379/0")
+        d = limiter.acquire("yt:quota:key1", [Limit("9500/d"), Limit("100/m")], cost=100)
+        if not d.allowed:
+            time.sleep(d.retry_after)
+    """
+
+    def __init__(self, client: Client, *, prefix: str = DEFAULT_PREFIX) -> None:
+        if not isinstance(prefix, str) or not prefix or escape_key(prefix) != prefix:
+            raise InvalidLimit(f"key prefix must be a plain non-empty string, got {prefix!r}")
+        self.client = client
+        self.prefix = prefix
+        self._scripts = {
+            "log": client.register_script(source("sliding_log")),
+            "counter": client.register_script(source("sliding_counter")),
+        }
+        self._cluster = hasattr(client, "get_nodes")
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        socket_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        **client_options: Any,
+    ) -> Limiter:
+        """A limiter on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        Timeouts are bounded by default so that a hung Redis never hangs a worker;
+        one retry (no backoff) absorbs a pooled connection that a Redis restart closed.
+        Extra keyword arguments go to ``redis.Redis.from_url``.
+        """
+        client_options.setdefault("retry", Retry(NoBackoff(), 1))
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            **client_options,
+        )
+        return cls(client, prefix=prefix)
+
+    # -- public API -----------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        limits: LimitSpec,
+        cost: int = 1,
+        *,
+        reserve: bool = False,
+        horizon: float = DEFAULT_HORIZON,
+    ) -> Decision:
+        """Count ``cost`` against every limit for ``key`` now, if all of them allow it.
+
+        All or nothing: a denial by one limit consumes nothing from the others.
+
+        Args:
+            key: what shares the budget (``"yt:quota:key1"``); a limit with a plain
+                string ``key`` of its own uses that instead.
+            limits: a rate string, a :class:`Limit` or a list of them.
+            cost: weight of this call, a positive int no greater than any limit.
+            reserve: when denied, reserve the earliest future slot at which the cost
+                fits (``Decision.reserved``), unless it lies beyond ``horizon`` seconds.
+                Only the ``"log"`` algorithm reserves.
+
+        Raises:
+            InvalidLimit / InvalidRate / TypeError: bad limits or cost.
+            LimiterUnavailable: Redis could not be reached or failed.
+        """
+        return self.decide(
+            self.keys_for(key, limits), to_limits(limits), cost, RESERVE if reserve else ACQUIRE,
+            horizon=horizon,
+        )
+
+    def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
+        """What :meth:`acquire` would answer now, without counting anything."""
+        return self.decide(self.keys_for(key, limits), to_limits(limits), cost, PEEK)
+
+    def confirm(
+        self, token: str, key: str, limits: LimitSpec, cost: int = 1, *,
+        horizon: float = DEFAULT_HORIZON,
+    ) -> Decision:
+        """Use the reservation ``token`` got from ``acquire(..., reserve=True)``.
+
+        Allowed if its slot has come; ``reserved`` with the time left if not yet; if the
+        reservation is gone (Redis restarted, key reset), competes again as ``acquire``
+        with ``reserve=True``.
+        """
+        return self.decide(
+            self.keys_for(key, limits), to_limits(limits), cost, CONFIRM, token=token,
+            horizon=horizon,
+        )
+
+    def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
+        """Give back a reservation that will not be used (a revoked or expired task)."""
+        self.decide(self.keys_for(key, limits), to_limits(limits), cost, RELEASE, token=token)
+
+    def reset(self, key: str, limits: LimitSpec) -> int:
+        """Forget everything counted for ``key`` under ``limits``; returns keys deleted."""
+        try:
+            return sum(int(self.client.delete(k)) for k in self.keys_for(key, limits))
+        except redis.RedisError as exc:
+            raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
+
+    # -- shared by the Celery layer -------------------------------------------------
+
+    def keys_for(self, key: str | Sequence[str], limits: LimitSpec) -> list[str]:
+        """Redis keys for ``limits``. ``key`` is one code-given key for all limits (a
+        limit's own plain ``key`` wins) or a list of already escaped keys, one per limit.
+        """
+        normalized = to_limits(limits)
+        if not isinstance(key, str):
+            escaped = list(key)
+            if len(escaped) != len(normalized):
+                raise InvalidLimit(f"got {len(escaped)} keys for {len(normalized)} limits")
+        else:
+            escaped = []
+            for limit in normalized:
+                own = limit.key if isinstance(limit.key, str) else None
+                if own is not None and limit.fields:
+                    raise InvalidLimit(
+                        f"Limit key {own!r} is a template; outside a task pass the "
+                        "rendered key to acquire() instead"
+                    )
+                chosen = own or key
+                if not isinstance(chosen, str) or not chosen:
+                    raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
+                escaped.append(escape_key(chosen))
+        return [redis_key(self.prefix, k, limit) for k, limit in zip(escaped, normalized)]
+
+    def decide(
+        self,
+        keys: list[str],
+        limits: tuple[Limit, ...],
+        cost: int,
+        mode: int,
+        *,
+        token: str | None = None,
+        horizon: float = DEFAULT_HORIZON,
+    ) -> Decision:
+        """Run the script once for Redis ``keys`` (from :meth:`keys_for`)."""
+        check_cost(cost)
+        args: list[Any] = [
+            bytes.fromhex(token) if token else os.urandom(8),
+            cost,
+            mode,
+            int(horizon * 1_000_000),
+        ]
+        for limit in limits:
+            if cost > limit.rate.limit:
+                raise InvalidLimit(
+                    f"cost {cost} is greater than the limit of {limit.label}: "
+                    "such a call could never run"
+                )
+            args.append(limit.rate.limit)
+            args.append(limit.rate.window_us)
+        if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
+            raise InvalidLimit(
+                f"limits checked together must share their hash tag (the key's first "
+                f"segment) on Redis Cluster, got keys {keys}"
+            )
+        try:
+            reply = self._scripts[limits[0].algorithm](keys=keys, args=args)
+        except redis.RedisError as exc:
+            raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
+        status, remaining, retry_us, reset_us, denied_by, at_us = (int(x) for x in reply)
+        return Decision(
+            allowed=status == ALLOWED,
+            remaining=remaining,
+            retry_after=retry_us / 1_000_000,
+            reset_after=reset_us / 1_000_000,
+            limit=limits[denied_by - 1] if denied_by else None,
+            reserved=status in (RESERVED, NOT_YET_DUE),
+            token=args[0].hex() if status in (RESERVED, NOT_YET_DUE) else None,
+            at=at_us / 1_000_000,
+        )

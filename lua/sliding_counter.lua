@@ -1,0 +1,103 @@
+-- sliding_counter.lua — approximate sliding window (two fixed-window counters), all or nothing.
+--
+-- KEYS[i]   one hash per limit: w = index of the current fixed window (now // window),
+--           c = weight counted in that window, p = weight counted in the window before.
+--           Memory is O(1) per key whatever the limit.
+-- ARGV[1]   token (unused here; the reply shape and arguments match sliding_log.lua)
+-- ARGV[2]   cost: weight of this call, integer >= 1 and <= every limit
+-- ARGV[3]   mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
+--           (reservations are log-only, see README); mode 4 releases nothing.
+-- ARGV[4]   horizon, microseconds (unused)
+-- ARGV[3+2i], ARGV[4+2i]   limit (weight units) and window (microseconds) of KEYS[i]
+--
+-- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, as sliding_log.lua:
+--   status 0 denied, 1 allowed, 4 released; times in microseconds; at = server time.
+--
+-- Estimate at time now, e microseconds into the current window of length W:
+--     estimate(now) = p * (W - e) / W + c
+-- A call fits when estimate + cost <= limit. retry_after solves that for the
+-- earliest instant, assuming no other traffic meanwhile: later in this window if
+-- c + cost fits (the p term shrinks linearly), else in the next window, where the
+-- current count becomes the previous one.
+
+local TTL_MARGIN_MS = 1000
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local cost = tonumber(ARGV[2])
+local mode = tonumber(ARGV[3])
+local n = #KEYS
+
+if mode == 4 then
+  return {4, 0, 0, 0, 0, now}
+end
+
+local wids, cur, prev, limits, windows = {}, {}, {}, {}, {}
+local at, denied_by, remaining, reset = now, 0, nil, 0
+for i = 1, n do
+  local limit = tonumber(ARGV[3 + 2 * i])
+  local window = tonumber(ARGV[4 + 2 * i])
+  local wid = math.floor(now / window)
+  local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')
+  local w0 = tonumber(h[1])
+  local c, p = tonumber(h[2]) or 0, tonumber(h[3]) or 0
+  if w0 == nil or w0 < wid - 1 then
+    c, p = 0, 0
+  elseif w0 == wid - 1 then
+    c, p = 0, c
+  end
+  local start = wid * window
+  local elapsed = now - start
+  local estimate = p * (window - elapsed) / window + c
+  if estimate + cost > limit then
+    local fits
+    if c + cost <= limit then
+      -- p * (W - e) / W <= limit - c - cost  =>  e >= W * (1 - (limit - c - cost) / p)
+      fits = start + math.ceil(window * (1 - (limit - c - cost) / p)) + 1
+    else
+      -- next window: c * (W - e) / W + cost <= limit
+      local e = 0
+      if c > limit - cost then
+        e = math.ceil(window * (1 - (limit - cost) / c)) + 1
+      end
+      fits = start + window + e
+    end
+    if fits > at then
+      at, denied_by = fits, i
+    end
+  end
+  local free = math.floor(limit - estimate)
+  if remaining == nil or free < remaining then remaining = free end
+  wids[i], cur[i], prev[i], limits[i], windows[i] = wid, c, p, limit, window
+end
+
+if denied_by ~= 0 or mode == 2 then
+  for i = 1, n do
+    local r = 0
+    if cur[i] > 0 then
+      r = (wids[i] + 2) * windows[i] - now
+    elseif prev[i] > 0 then
+      r = (wids[i] + 1) * windows[i] - now
+    end
+    if r > reset then reset = r end
+  end
+  if remaining < 0 then remaining = 0 end
+  if denied_by ~= 0 then
+    return {0, remaining, at - now, reset, denied_by, now}
+  end
+  return {1, remaining, 0, reset, 0, now}
+end
+
+remaining = nil
+for i = 1, n do
+  local c = cur[i] + cost
+  redis.call('HSET', KEYS[i], 'w', wids[i], 'c', c, 'p', prev[i])
+  redis.call('PEXPIRE', KEYS[i], math.ceil(2 * windows[i] / 1000) + TTL_MARGIN_MS)
+  local r = (wids[i] + 2) * windows[i] - now
+  if r > reset then reset = r end
+  local elapsed = now - wids[i] * windows[i]
+  local free = math.floor(limits[i] - (prev[i] * (windows[i] - elapsed) / windows[i] + c))
+  if remaining == nil or free < remaining then remaining = free end
+end
+if remaining < 0 then remaining = 0 end
+return {1, remaining, 0, reset, 0, now}

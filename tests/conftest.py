@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_ratelimit import Limiter
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server for the whole session (tests may restart it)."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    """``REDIS_URL`` if set, else the private server's URL."""
+    return os.environ.get("REDIS_URL") or redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def limiter(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Limiter]:
+    """A limiter whose keys live under a prefix unique to the test."""
+    prefix = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    lim = Limiter.from_url(redis_url, prefix=prefix)
+    yield lim
+    for key in lim.client.scan_iter(f"{prefix}:*"):
+        lim.client.delete(key)
+    lim.client.close()
