@@ -176,28 +176,33 @@ class Limiter:
         self,
         keys: list[str],
         limits: tuple[Limit, ...],
-        cost: int,
+        cost: int | Sequence[int],
         mode: int,
         *,
         token: str | None = None,
         horizon: float = DEFAULT_HORIZON,
     ) -> Decision:
-        """Run the script once for Redis ``keys`` (from :meth:`keys_for`)."""
-        check_cost(cost)
+        """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
+
+        ``cost`` is one cost for every limit, or one per limit (a units quota and a
+        per-call cap checked together).
+        """
+        costs = [cost] * len(limits) if isinstance(cost, int) else list(cost)
+        if len(costs) != len(limits):
+            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
         args: list[Any] = [
             bytes.fromhex(token) if token else os.urandom(8),
-            cost,
             mode,
             int(horizon * 1_000_000),
         ]
-        for limit in limits:
-            if cost > limit.rate.limit:
+        for limit, one in zip(limits, costs):
+            check_cost(one)
+            if one > limit.rate.limit:
                 raise InvalidLimit(
-                    f"cost {cost} is greater than the limit of {limit.label}: "
+                    f"cost {one} is greater than the limit of {limit.label}: "
                     "such a call could never run"
                 )
-            args.append(limit.rate.limit)
-            args.append(limit.rate.window_us)
+            args += (limit.rate.limit, limit.rate.window_us, one)
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "

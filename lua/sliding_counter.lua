@@ -4,11 +4,11 @@
 --           c = weight counted in that window, p = weight counted in the window before.
 --           Memory is O(1) per key whatever the limit.
 -- ARGV[1]   token (unused here; the reply shape and arguments match sliding_log.lua)
--- ARGV[2]   cost: weight of this call, integer >= 1 and <= every limit
--- ARGV[3]   mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
+-- ARGV[2]   mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
 --           (reservations are log-only, see README); mode 4 releases nothing.
--- ARGV[4]   horizon, microseconds (unused)
--- ARGV[3+2i], ARGV[4+2i]   limit (weight units) and window (microseconds) of KEYS[i]
+-- ARGV[3]   horizon, microseconds (unused)
+-- ARGV[1+3i], ARGV[2+3i], ARGV[3+3i]   for KEYS[i]: limit (weight units), window
+--           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, as sliding_log.lua:
 --   status 0 denied, 1 allowed, 4 released; times in microseconds; at = server time.
@@ -24,19 +24,20 @@ local TTL_MARGIN_MS = 1000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[2])
-local mode = tonumber(ARGV[3])
+local mode = tonumber(ARGV[2])
 local n = #KEYS
 
 if mode == 4 then
   return {4, 0, 0, 0, 0, now}
 end
 
-local wids, cur, prev, limits, windows = {}, {}, {}, {}, {}
+local wids, cur, prev, limits, windows, costs = {}, {}, {}, {}, {}, {}
 local at, denied_by, remaining, reset = now, 0, nil, 0
 for i = 1, n do
-  local limit = tonumber(ARGV[3 + 2 * i])
-  local window = tonumber(ARGV[4 + 2 * i])
+  local limit = tonumber(ARGV[1 + 3 * i])
+  local window = tonumber(ARGV[2 + 3 * i])
+  local cost = tonumber(ARGV[3 + 3 * i])
+  costs[i] = cost
   local wid = math.floor(now / window)
   local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')
   local w0 = tonumber(h[1])
@@ -90,7 +91,7 @@ end
 
 remaining = nil
 for i = 1, n do
-  local c = cur[i] + cost
+  local c = cur[i] + costs[i]
   redis.call('HSET', KEYS[i], 'w', wids[i], 'c', c, 'p', prev[i])
   redis.call('PEXPIRE', KEYS[i], math.ceil(2 * windows[i] / 1000) + TTL_MARGIN_MS)
   local r = (wids[i] + 2) * windows[i] - now

@@ -7,14 +7,14 @@
 --           the key's running total weight as its score, which stays below
 --           ENTRY_FLOOR so that range scans over entries never see it.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
--- ARGV[2]   cost: weight of this call, integer >= 1 and <= every limit
--- ARGV[3]   mode: 0 acquire now or deny
+-- ARGV[2]   mode: 0 acquire now or deny
 --                 1 acquire now, else reserve the earliest instant that fits
 --                 2 peek: decide as mode 0 but write nothing
 --                 3 confirm the reservation held by ARGV[1]; acts as mode 1 if it is gone
 --                 4 release the reservation held by ARGV[1] (if still in the future)
--- ARGV[4]   horizon, microseconds: no reservation is made further ahead than this
--- ARGV[3+2i], ARGV[4+2i]   limit (weight units) and window (microseconds) of KEYS[i]
+-- ARGV[3]   horizon, microseconds: no reservation is made further ahead than this
+-- ARGV[1+3i], ARGV[2+3i], ARGV[3+3i]   for KEYS[i]: limit (weight units), window
+--           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
@@ -28,7 +28,7 @@
 --
 -- Invariant: in every window (t - W, t] the weight of entries, reservations
 -- included, is at most the limit. A call may be placed at s only if
--- g(s) + cost <= limit, where g(s) is the weight of all entries later than s - W:
+-- g(s) + cost <= limit (for every key), where g(s) is the weight of all entries later than s - W:
 -- every window that contains s lies inside (s - W, +inf), and g never grows with
 -- s, so the earliest such s is found by walking entries from the oldest until
 -- enough weight has left. retry_after is exact: it is that walk's answer.
@@ -40,15 +40,9 @@ local TTL_MARGIN_MS = 1000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
-local cost = tonumber(ARGV[2])
-local mode = tonumber(ARGV[3])
-local horizon = tonumber(ARGV[4])
+local mode = tonumber(ARGV[2])
+local horizon = tonumber(ARGV[3])
 local n = #KEYS
-
-local member = token
-if cost ~= 1 then
-  member = token .. '.' .. cost
-end
 
 local function weight(m)
   if #m > TOKEN_LEN then
@@ -62,12 +56,15 @@ local function num(x)
 end
 
 -- Prune expired entries and read each key's total weight.
-local limits, windows, totals = {}, {}, {}
+local limits, windows, costs, members, totals = {}, {}, {}, {}, {}
 for i = 1, n do
   local key = KEYS[i]
-  local window = tonumber(ARGV[4 + 2 * i])
-  limits[i] = tonumber(ARGV[3 + 2 * i])
+  local window = tonumber(ARGV[2 + 3 * i])
+  limits[i] = tonumber(ARGV[1 + 3 * i])
   windows[i] = window
+  local cost = tonumber(ARGV[3 + 3 * i])
+  costs[i] = cost
+  if cost == 1 then members[i] = token else members[i] = token .. '.' .. cost end
   local s = redis.call('ZSCORE', key, '')
   local total = s and tonumber(s) or 0
   local cutoff = num(now - window)
@@ -113,10 +110,10 @@ end
 -- Remove this call's entry from every key (used by release and stale reservations).
 local function remove_entry(only_future)
   for i = 1, n do
-    local s = redis.call('ZSCORE', KEYS[i], member)
+    local s = redis.call('ZSCORE', KEYS[i], members[i])
     if s and (not only_future or tonumber(s) > now) then
-      redis.call('ZREM', KEYS[i], member)
-      totals[i] = totals[i] - cost
+      redis.call('ZREM', KEYS[i], members[i])
+      totals[i] = totals[i] - costs[i]
       if totals[i] < 0 then totals[i] = 0 end
       redis.call('ZADD', KEYS[i], totals[i], '')
     end
@@ -126,7 +123,7 @@ end
 if mode == 3 or mode == 4 then
   local at, held = nil, true
   for i = 1, n do
-    local s = redis.call('ZSCORE', KEYS[i], member)
+    local s = redis.call('ZSCORE', KEYS[i], members[i])
     if not s or tonumber(s) <= now - windows[i] then
       held = false
     else
@@ -172,7 +169,7 @@ end
 
 local at, denied_by = now, 0
 for i = 1, n do
-  local excess = totals[i] + cost - limits[i]
+  local excess = totals[i] + costs[i] - limits[i]
   if excess > 0 then
     local s = free_at(i, excess)
     if s > at then
@@ -199,8 +196,8 @@ end
 for i = 1, n do
   local key = KEYS[i]
   local last = newest(i)
-  totals[i] = totals[i] + cost
-  redis.call('ZADD', key, at, member, totals[i], '')
+  totals[i] = totals[i] + costs[i]
+  redis.call('ZADD', key, at, members[i], totals[i], '')
   if at > last then
     redis.call('PEXPIRE', key, math.ceil((at + windows[i] - now) / 1000) + TTL_MARGIN_MS)
     lasts[i] = at
