@@ -13,7 +13,7 @@ from redis.retry import Retry
 from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable
 from ._keys import escape_key, redis_key
-from ._limit import Limit, LimitSpec, check_cost, to_limits
+from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
 
 #: Script modes (ARGV[3]); see the header of lua/sliding_log.lua.
@@ -112,7 +112,10 @@ class Limiter:
             LimiterUnavailable: Redis could not be reached or failed.
         """
         return self.decide(
-            self.keys_for(key, limits), to_limits(limits), cost, RESERVE if reserve else ACQUIRE,
+            self.keys_for(key, limits),
+            to_limits(limits),
+            cost,
+            RESERVE if reserve else ACQUIRE,
             horizon=horizon,
         )
 
@@ -121,7 +124,12 @@ class Limiter:
         return self.decide(self.keys_for(key, limits), to_limits(limits), cost, PEEK)
 
     def confirm(
-        self, token: str, key: str, limits: LimitSpec, cost: int = 1, *,
+        self,
+        token: str,
+        key: str,
+        limits: LimitSpec,
+        cost: int = 1,
+        *,
         horizon: float = DEFAULT_HORIZON,
     ) -> Decision:
         """Use the reservation ``token`` got from ``acquire(..., reserve=True)``.
@@ -131,7 +139,11 @@ class Limiter:
         with ``reserve=True``.
         """
         return self.decide(
-            self.keys_for(key, limits), to_limits(limits), cost, CONFIRM, token=token,
+            self.keys_for(key, limits),
+            to_limits(limits),
+            cost,
+            CONFIRM,
+            token=token,
             horizon=horizon,
         )
 
@@ -170,7 +182,16 @@ class Limiter:
                 if not isinstance(chosen, str) or not chosen:
                     raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
                 escaped.append(escape_key(chosen))
-        return [redis_key(self.prefix, k, limit) for k, limit in zip(escaped, normalized)]
+        keys = [
+            redis_key(self.prefix, k, limit) for k, limit in zip(escaped, normalized, strict=True)
+        ]
+        if len(set(keys)) != len(keys):
+            # one sorted set cannot hold two budgets: the second would overwrite the first
+            raise InvalidLimit(
+                f"limits {describe(normalized)} put two budgets on the same Redis key "
+                f"({', '.join(keys)}): give them different keys or windows"
+            )
+        return keys
 
     def decide(
         self,
@@ -187,7 +208,12 @@ class Limiter:
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
         per-call cap checked together).
         """
-        costs = [cost] * len(limits) if isinstance(cost, int) else list(cost)
+        if isinstance(cost, int):
+            costs = [cost] * len(limits)
+        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
+            costs = list(cost)
+        else:
+            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
         args: list[Any] = [
@@ -195,7 +221,7 @@ class Limiter:
             mode,
             int(horizon * 1_000_000),
         ]
-        for limit, one in zip(limits, costs):
+        for limit, one in zip(limits, costs, strict=True):
             check_cost(one)
             if one > limit.rate.limit:
                 raise InvalidLimit(

@@ -1,0 +1,181 @@
+"""Limiter cost, side by side on one private redis-server: ``python -m benchmarks.bench_limiter``.
+
+(a) client-side: mean ``acquire`` time over mean ``PING`` time on the same client,
+    interleaved rounds, for a limit that never binds, a limit that binds (mostly
+    denials), and ``limits``' moving window as an anchor.
+(b) server-side: ``cmdstat_evalsha`` microseconds per call (INFO commandstats after
+    CONFIG RESETSTAT) at cost 1 and cost 1000, and with 2 and 4 stacked limits, in
+    steady state (entries expire as fast as they arrive).
+(c) memory: MEMORY USAGE per entry of a full log key at limits 100, 1000, 10000, and
+    the bytes of a counter key.
+
+Prints a table and writes ``benchmarks/results/limiter.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_ratelimit import Limit, Limiter
+from tests.redis_server import RedisServer
+
+RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
+ROUNDS = 15
+CALLS = 2_000
+
+
+def _mean_us(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
+    """(a): every operation timed once per round, rounds interleaved."""
+    client = server.client()
+    limiter = Limiter(client, prefix="bench-a")
+    free = [Limit("1000000000/s")]
+    binding = [Limit("100/s")]
+    ops: dict[str, Callable[[], object]] = {
+        "ping": client.ping,
+        "acquire (not binding)": lambda: limiter.acquire("free", free),
+        "acquire (binding)": lambda: limiter.acquire("busy", binding),
+    }
+    try:
+        from limits import parse
+        from limits.storage import RedisStorage
+        from limits.strategies import MovingWindowRateLimiter
+
+        moving = MovingWindowRateLimiter(RedisStorage(server.url))
+        item = parse("1000000000/second")
+        ops["limits moving window"] = lambda: moving.hit(item, "bench")
+    except ImportError:  # the bench extra is not installed
+        pass
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for fn in ops.values():  # warm up connections, script cache, code paths
+        _mean_us(fn, 200)
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            samples[name].append(_mean_us(fn, calls))
+    ping = statistics.fmean(samples["ping"])
+    out: dict[str, Any] = {}
+    for name, values in samples.items():
+        mean = statistics.fmean(values)
+        out[name] = {"mean_us": round(mean, 2), "x_ping": round(mean / ping, 3)}
+    client.close()
+    return out
+
+
+def _evalsha_usec(client: redis.Redis) -> tuple[float, int]:
+    stats = client.info("commandstats")["cmdstat_evalsha"]
+    return float(stats["usec_per_call"]), int(stats["calls"])
+
+
+def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
+    """(b): Redis-side cost per decision, steady state with entries expiring."""
+    client = server.client()
+    limiter = Limiter(client, prefix="bench-b")
+    windows = ["200ms", "300ms", "400ms", "500ms"]
+    cases = {
+        "cost 1": ([Limit(f"1000000000/{windows[0]}")], 1),
+        "cost 1000": ([Limit(f"1000000000/{windows[0]}")], 1000),
+        "cost 1, 2 limits": ([Limit(f"1000000000/{w}") for w in windows[:2]], 1),
+        "cost 1, 4 limits": ([Limit(f"1000000000/{w}") for w in windows], 1),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for name, (limits, cost) in cases.items():  # fill every window once
+        key = name.replace(" ", "").replace(",", "")
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            limiter.acquire(key, limits, cost)
+    for _ in range(rounds):
+        for name, (limits, cost) in cases.items():
+            key = name.replace(" ", "").replace(",", "")
+            client.config_resetstat()
+            for _ in range(calls):
+                if not limiter.acquire(key, limits, cost).allowed:
+                    raise RuntimeError(f"{name}: the benchmark limit bound")
+            usec, count = _evalsha_usec(client)
+            assert count == calls, (name, count)
+            samples[name].append(usec)
+    out = {name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()}
+    out["cost 1000 / cost 1"] = round(
+        out["cost 1000"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
+    )
+    client.close()
+    return out
+
+
+def memory(server: RedisServer) -> dict[str, Any]:
+    """(c): bytes per entry of a full log key, and of a counter key."""
+    client = server.client()
+    limiter = Limiter(client, prefix="bench-c")
+    out: dict[str, Any] = {}
+    for size in (100, 1000, 10000):
+        limits = [Limit(f"{size}/h")]
+        pipe_calls = 0
+        while limiter.acquire(f"full{size}", limits).allowed:
+            pipe_calls += 1
+        key = limiter.keys_for(f"full{size}", limits)[0]
+        used = int(client.memory_usage(key, samples=0))
+        out[f"log {size}"] = {
+            "entries": pipe_calls,
+            "bytes": used,
+            "bytes_per_entry": round(used / pipe_calls, 1),
+            "encoding": client.object("encoding", key).decode(),
+        }
+    counter = [Limit("1000/h", algorithm="counter")]
+    limiter.acquire("counter", counter, 7)
+    key = limiter.keys_for("counter", counter)[0]
+    out["counter"] = {"bytes": int(client.memory_usage(key, samples=0))}
+    client.close()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    rounds = int(argv[0]) if argv else ROUNDS
+    server = RedisServer()
+    try:
+        version = server.client().info("server")["redis_version"]
+        results = {
+            "redis_version": version,
+            "python": platform.python_version(),
+            "rounds": rounds,
+            "calls_per_round": CALLS,
+            "a_client_side": client_side(server, rounds, CALLS),
+            "b_server_side": server_side(server, rounds, CALLS),
+            "c_memory": memory(server),
+        }
+    finally:
+        server.close()
+    print(f"redis {results['redis_version']}, {rounds} interleaved rounds of {CALLS} calls")
+    print("\n(a) client side           mean us   x PING   (target acquire <= 1.10)")
+    for name, row in results["a_client_side"].items():
+        print(f"    {name:24} {row['mean_us']:8.2f} {row['x_ping']:8.3f}")
+    print("\n(b) server side           usec/call         (target <= 8, cost 1000 <= 1.2x)")
+    for name, row in results["b_server_side"].items():
+        if isinstance(row, dict):
+            print(f"    {name:24} {row['usec_per_call']:8.2f}")
+    print(f"    {'cost 1000 / cost 1':24} {results['b_server_side']['cost 1000 / cost 1']:8.3f}")
+    print("\n(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)")
+    for name, row in results["c_memory"].items():
+        per = row.get("bytes_per_entry", "")
+        print(f"    {name:24} {per!s:>8} {row['bytes']:8} {row.get('encoding', '')}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""Read a sliding-log key as the tests see it, and count the worst window of a trace."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+import redis
+
+#: Entry scores are microsecond instants; meta members score below this.
+ENTRY_FLOOR = 10**13
+TOKEN_LEN = 8
+
+
+def weight_of(member: bytes) -> int:
+    """An entry's weight: 1, or the number after the 8-byte token and a dot."""
+    return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
+
+
+def entries(client: redis.Redis, key: str) -> list[tuple[int, int]]:
+    """``(instant_us, weight)`` of every entry in the log ``key``, oldest first."""
+    rows = client.zrangebyscore(key, ENTRY_FLOOR, "+inf", withscores=True)
+    return [(int(score), weight_of(member)) for member, score in rows]
+
+
+def total(client: redis.Redis, key: str) -> int:
+    """The running total weight the script keeps for ``key`` (0 when absent)."""
+    score = client.zscore(key, "")
+    return int(score) if score is not None else 0
+
+
+def us(seconds: float) -> int:
+    """A Decision time (float seconds) back in whole microseconds."""
+    return round(seconds * 1_000_000)
+
+
+def max_in_window(events: Iterable[tuple[int, int]], window_us: int) -> int:
+    """Largest total weight of ``(instant_us, weight)`` events in any window (t - W, t]."""
+    ordered = sorted(events)
+    times = [t for t, _ in ordered]
+    sums = [0]
+    for _, w in ordered:
+        sums.append(sums[-1] + w)
+    best = 0
+    for t in times:
+        hi = bisect.bisect_right(times, t)  # the window ends at t, ties included
+        lo = bisect.bisect_right(times, t - window_us)
+        best = max(best, sums[hi] - sums[lo])
+    return best
+
+
+def weight_after(events: Sequence[tuple[int, int]], instant_us: int) -> int:
+    """Weight of the events later than ``instant_us``."""
+    return sum(w for t, w in events if t > instant_us)

@@ -1,0 +1,416 @@
+"""The limiter against a real redis-server: windows, retry-after, all-or-nothing,
+reservations, expiry and script reloads. Time is steered with windows of a few hundred
+milliseconds and read from Redis ``TIME``, never from the test's clock."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ratelimit import InvalidLimit, Limit, Limiter, LimiterUnavailable
+from celery_ratelimit._limiter import ACQUIRE
+from tests.log_reader import entries, max_in_window, total, us
+from tests.redis_server import RedisServer, free_port
+
+
+def server_us(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1_000_000 + int(usec)
+
+
+def sleep_until(client: redis.Redis, instant_us: int) -> None:
+    """Sleep until the Redis clock reads ``instant_us`` (approximately, from below)."""
+    while (left := instant_us - server_us(client)) > 0:
+        time.sleep(min(left / 1_000_000, 0.05))
+
+
+def log_key(limiter: Limiter, key: str, limit: Limit) -> str:
+    return limiter.keys_for(key, [limit])[0]
+
+
+# -- the window invariant ----------------------------------------------------------------
+
+
+def _hammer(url: str, prefix: str, start: Any, seconds: float, out: Any) -> None:
+    limiter = Limiter.from_url(url, prefix=prefix)
+    timer = redis.Redis.from_url(url)
+    limit = Limit("20/300ms")
+    grants: list[tuple[int, int, int]] = []
+    calls = 0
+    start.wait()
+    deadline = time.monotonic() + seconds
+    first = server_us(timer)
+    while time.monotonic() < deadline:
+        before = server_us(timer)
+        decision = limiter.acquire("shared", limit)
+        after = server_us(timer)
+        calls += 1
+        if decision.allowed:
+            grants.append((before, us(decision.at), after))
+    out.put((first, server_us(timer), calls, grants))
+
+
+def test_four_processes_never_put_more_than_the_limit_into_any_window(
+    redis_url: str, limiter: Limiter
+) -> None:
+    limit, window_us, workers, seconds = 20, 300_000, 4, 1.5
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(workers), ctx.Queue()
+    procs = [
+        ctx.Process(target=_hammer, args=(redis_url, limiter.prefix, start, seconds, out))
+        for _ in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(10)
+    grants = [g for _, _, _, gs in results for g in gs]
+    for before, at, after in grants:
+        assert before <= at <= after
+    times = [at for _, at, _ in grants]
+    assert len(set(times)) == len(times)  # one grant per instant: Redis runs one script at a time
+    worst = max_in_window(((t, 1) for t in times), window_us)
+    elapsed = max(end for _, end, _, _ in results) - min(first for first, _, _, _ in results)
+    ideal = limit * elapsed / window_us
+    calls = sum(c for _, _, c, _ in results)
+    print(f"\n{calls} calls, {len(times)} grants, ideal {ideal:.0f}, worst window {worst}")
+    assert worst == limit
+    assert calls > 3 * len(times)  # the limit really was contended
+    assert len(times) >= 0.9 * ideal
+
+
+def test_fixed_window_lets_twice_the_limit_through_a_boundary_the_log_exactly_the_limit(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    limit, window_us = 10, 400_000
+    rate = Limit(f"{limit}/400ms")
+    naive_times: list[int] = []
+    log_times: list[int] = []
+
+    def burst() -> None:
+        for _ in range(limit):
+            now = server_us(redis_client)  # the naive limiter's clock, read in Redis too
+            bucket = f"{limiter.prefix}:naive:{now // window_us}"
+            if redis_client.incr(bucket) <= limit:
+                naive_times.append(now)
+            redis_client.pexpire(bucket, 2 * window_us // 1000)
+            decision = limiter.acquire("boundary", rate)
+            if decision.allowed:
+                log_times.append(us(decision.at))
+
+    now = server_us(redis_client)
+    boundary = (now // window_us + 1) * window_us
+    if boundary - now < 100_000:
+        boundary += window_us
+    sleep_until(redis_client, boundary - 40_000)
+    burst()
+    assert server_us(redis_client) < boundary, "first burst overran the boundary"
+    sleep_until(redis_client, boundary + 10_000)
+    burst()
+
+    assert len(naive_times) == 2 * limit
+    assert max_in_window(((t, 1) for t in naive_times), window_us) == 2 * limit
+    assert len(log_times) == limit
+    assert max_in_window(((t, 1) for t in log_times), window_us) == limit
+
+
+# -- retry-after ---------------------------------------------------------------------------
+
+
+def test_retrying_at_retry_after_succeeds_and_clearly_before_is_denied(limiter: Limiter) -> None:
+    rate = Limit("5/500ms")
+    first = [limiter.acquire("retry", rate) for _ in range(5)]
+    assert all(first)
+    denied = limiter.acquire("retry", rate)
+    assert not denied.allowed
+    # exact: the oldest entry leaves the window W after it was granted
+    assert us(denied.retry_after) == us(first[0].at) + 500_000 - us(denied.at)
+    assert denied.limit == rate
+    time.sleep(denied.retry_after - 0.05)
+    early = limiter.acquire("retry", rate)
+    assert not early.allowed
+    assert 0 < early.retry_after <= 0.05
+    time.sleep(early.retry_after)
+    assert limiter.acquire("retry", rate).allowed
+
+
+def test_weighted_retry_after_waits_for_the_kth_oldest_entry(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("8/500ms")
+    key = log_key(limiter, "weighted", rate)
+    for cost in (3, 1, 4):  # 50 ms apart, so that they leave the window one by one
+        assert limiter.acquire("weighted", rate, cost=cost).allowed
+        time.sleep(0.05)
+    log = entries(redis_client, key)
+    assert [w for _, w in log] == [3, 1, 4]
+    assert total(redis_client, key) == 8
+
+    denied = limiter.acquire("weighted", rate, cost=5)
+    # 5 more units fit only once 3 + 1 + 4 have left: the third-oldest entry, not the oldest
+    assert us(denied.retry_after) == log[2][0] + 500_000 - us(denied.at)
+    small = limiter.acquire("weighted", rate, cost=3)
+    # 3 units fit once the first entry (3) has left
+    assert us(small.retry_after) == log[0][0] + 500_000 - us(small.at)
+    assert entries(redis_client, key) == log  # denials wrote nothing
+
+    time.sleep(small.retry_after)
+    assert limiter.acquire("weighted", rate, cost=3).allowed
+    early = limiter.acquire("weighted", rate, cost=4)
+    assert not early.allowed  # needs the 1 and the 4 gone, not just the oldest entry
+    assert us(early.retry_after) == log[2][0] + 500_000 - us(early.at)
+    time.sleep(early.retry_after)
+    assert limiter.acquire("weighted", rate, cost=4).allowed
+
+
+def test_a_heavy_call_costs_one_member_not_cost_members(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("1000000/s")
+    key = log_key(limiter, "heavy", rate)
+    decision = limiter.acquire("heavy", rate, cost=1000)
+    assert decision.allowed
+    assert decision.remaining == 1_000_000 - 1000
+    assert entries(redis_client, key) == [(us(decision.at), 1000)]
+    assert total(redis_client, key) == 1000
+
+
+def test_remaining_and_reset_after_count_down(limiter: Limiter) -> None:
+    rate = Limit("4/300ms")
+    decisions = [limiter.acquire("count", rate) for _ in range(5)]
+    assert [d.remaining for d in decisions] == [3, 2, 1, 0, 0]
+    assert [d.allowed for d in decisions] == [True] * 4 + [False]
+    assert us(decisions[0].reset_after) == 300_000
+    # back to full once the newest entry has left
+    assert us(decisions[4].reset_after) == us(decisions[3].at) + 300_000 - us(decisions[4].at)
+
+
+def test_peek_answers_like_acquire_and_writes_nothing(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("2/s")
+    assert limiter.peek("peek", rate).allowed
+    assert redis_client.exists(log_key(limiter, "peek", rate)) == 0
+    limiter.acquire("peek", rate, cost=2)
+    seen = limiter.peek("peek", rate)
+    assert not seen.allowed and 0.9 < seen.retry_after <= 1.0
+    assert total(redis_client, log_key(limiter, "peek", rate)) == 2
+
+
+def test_reset_forgets_the_key(limiter: Limiter, redis_client: redis.Redis) -> None:
+    rates = [Limit("1/s"), Limit("1/m")]
+    assert limiter.acquire("reset", rates).allowed
+    assert not limiter.acquire("reset", rates).allowed
+    assert limiter.reset("reset", rates) == 2
+    assert limiter.acquire("reset", rates).allowed
+
+
+# -- several limits ------------------------------------------------------------------------
+
+
+def test_a_denial_by_one_limit_consumes_nothing_from_the_others(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rates = [Limit("10/s"), Limit("3/400ms"), Limit("100/m")]
+    keys = limiter.keys_for("acct", rates)
+    assert len({k.split("}")[0] for k in keys}) == 1  # one hash tag for the call
+    for _ in range(3):
+        assert limiter.acquire("acct", rates).allowed
+    before = [(total(redis_client, k), entries(redis_client, k)) for k in keys]
+    assert [t for t, _ in before] == [3, 3, 3]
+    denied = limiter.acquire("acct", rates, cost=1)
+    assert not denied.allowed
+    assert denied.limit == rates[1]
+    assert [(total(redis_client, k), entries(redis_client, k)) for k in keys] == before
+    heavy = limiter.acquire("acct", rates, cost=2)  # fits 10/s and 100/m, not 3/400ms
+    assert not heavy.allowed and heavy.limit == rates[1]
+    assert [(total(redis_client, k), entries(redis_client, k)) for k in keys] == before
+
+
+def test_per_limit_costs_in_one_call(limiter: Limiter, redis_client: redis.Redis) -> None:
+    rates = (Limit("100/s", key="api:units"), Limit("2/s", key="api:calls"))  # quota + cap
+    keys = limiter.keys_for("api", rates)
+    assert limiter.decide(keys, rates, [40, 1], ACQUIRE).allowed
+    assert limiter.decide(keys, rates, [40, 1], ACQUIRE).allowed
+    denied = limiter.decide(keys, rates, [10, 1], ACQUIRE)
+    assert not denied.allowed and denied.limit == rates[1]
+    assert [total(redis_client, k) for k in keys] == [80, 2]
+
+
+def test_two_limits_on_one_redis_key_are_refused(limiter: Limiter) -> None:
+    with pytest.raises(InvalidLimit, match="same Redis key"):
+        limiter.acquire("api", [Limit("100/s"), Limit("2/s")])
+
+
+# -- the counter -----------------------------------------------------------------------------
+
+
+def test_counter_overshoot_is_bounded_and_the_log_never_overshoots(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    limit, window_us = 20, 300_000
+    log, counter = Limit("20/300ms"), Limit("20/300ms", algorithm="counter")
+    grants: dict[str, list[tuple[int, int]]] = {"log": [], "counter": []}
+    deadline = time.monotonic() + 1.2
+    calls = 0
+    while time.monotonic() < deadline:
+        calls += 1
+        # bursts at the start of every 100 ms, then quiet: uneven traffic like cron jobs
+        if server_us(redis_client) % 100_000 > 30_000:
+            time.sleep(0.005)
+            continue
+        for name, rate in (("log", log), ("counter", counter)):
+            decision = limiter.acquire("same-traffic", rate)
+            if decision.allowed:
+                grants[name].append((us(decision.at), 1))
+    worst = {name: max_in_window(g, window_us) for name, g in grants.items()}
+    print(
+        f"\nsame traffic, limit {limit}: grants {[len(g) for g in grants.values()]}, "
+        f"worst window log {worst['log']}, counter {worst['counter']}"
+    )
+    assert worst["log"] == limit
+    assert worst["counter"] <= 2 * limit  # the estimate's documented worst case
+    assert len(grants["counter"]) >= 0.8 * len(grants["log"])
+
+
+def test_counter_allows_the_limit_then_denies_with_its_retry_after(limiter: Limiter) -> None:
+    rate = Limit("5/400ms", algorithm="counter")
+    decisions = [limiter.acquire("c", rate) for _ in range(6)]
+    assert [d.allowed for d in decisions] == [True] * 5 + [False]
+    assert [d.remaining for d in decisions[:5]] == [4, 3, 2, 1, 0]
+    assert 0 < decisions[5].retry_after <= 0.8
+    time.sleep(decisions[5].retry_after)
+    assert limiter.acquire("c", rate).allowed
+
+
+# -- keys, scripts, errors ---------------------------------------------------------------------
+
+
+def test_idle_keys_expire_a_little_after_their_window(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    log, counter = Limit("5/300ms"), Limit("5/300ms", algorithm="counter")
+    limiter.acquire("idle", log)
+    limiter.acquire("idle", counter)
+    log_key_, counter_key = log_key(limiter, "idle", log), log_key(limiter, "idle", counter)
+    assert 300 < redis_client.pttl(log_key_) <= 300 + 1000
+    assert 600 < redis_client.pttl(counter_key) <= 600 + 1000
+    start = time.monotonic()
+    while redis_client.exists(log_key_, counter_key) and time.monotonic() - start < 3:
+        time.sleep(0.05)
+    assert redis_client.exists(log_key_, counter_key) == 0
+    assert time.monotonic() - start < 1.6 + 0.3
+
+
+def test_script_flush_mid_stream_reloads_the_script(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("100/s")
+    allowed = 0
+    for i in range(40):
+        if i in (10, 25):
+            redis_client.script_flush()
+        allowed += limiter.acquire("flush", rate).allowed
+    assert allowed == 40
+    assert total(redis_client, log_key(limiter, "flush", rate)) == 40
+    redis_client.script_flush()
+    assert limiter.peek("flush", rate).remaining == 60
+
+
+def test_unreachable_redis_raises_limiter_unavailable() -> None:
+    limiter = Limiter.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    with pytest.raises(LimiterUnavailable) as info:
+        limiter.acquire("k", "1/s")
+    assert isinstance(info.value.__cause__, redis.RedisError)
+
+
+# -- reservations --------------------------------------------------------------------------------
+
+
+def test_reservations_never_overfill_any_window(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("3/300ms")
+    key = log_key(limiter, "backlog", rate)
+    decisions = [limiter.acquire("backlog", rate, reserve=True) for _ in range(12)]
+    assert [d.allowed for d in decisions] == [True] * 3 + [False] * 9
+    assert all(d.reserved and d.token for d in decisions[3:])
+    slots = [us(d.at) for d in decisions]
+    # each reservation takes the slot where the entry three places before it leaves
+    assert [slots[i] - slots[i - 3] for i in range(3, 12)] == [300_000] * 9
+    log = entries(redis_client, key)
+    assert [t for t, _ in log] == slots
+    assert max_in_window(log, 300_000) == 3
+    assert total(redis_client, key) == 12
+    assert redis_client.pttl(key) > 300 * 3  # kept until the last reservation has left
+
+
+def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("2/300ms")
+    key = log_key(limiter, "confirm", rate)
+    assert limiter.acquire("confirm", rate).allowed
+    assert limiter.acquire("confirm", rate).allowed
+    held = limiter.acquire("confirm", rate, reserve=True)
+    assert held.reserved and held.token is not None
+    before = server_us(redis_client)
+    early = limiter.confirm(held.token, "confirm", rate)
+    after = server_us(redis_client)
+    assert not early.allowed and early.reserved
+    assert early.at == held.at
+    # not yet: retry_after is the time left until the reserved slot
+    assert us(held.at) - after <= us(early.retry_after) <= us(held.at) - before
+    sleep_until(redis_client, us(held.at))
+    due = limiter.confirm(held.token, "confirm", rate)
+    assert due.allowed and due.at == held.at
+    assert entries(redis_client, key) == [(us(held.at), 1)]  # counted once, the rest left
+
+
+def test_confirm_after_a_redis_restart_competes_again(
+    limiter: Limiter, redis_server: RedisServer
+) -> None:
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("REDIS_URL points at a server this test must not restart")
+    rate = Limit("1/300ms")
+    assert limiter.acquire("lost", rate).allowed
+    held = limiter.acquire("lost", rate, reserve=True)
+    assert held.reserved and held.token
+    redis_server.restart()
+    again = limiter.confirm(held.token, "lost", rate)
+    assert again.allowed  # the log is empty after the restart: it runs at once
+
+
+def test_release_frees_a_future_reservation(limiter: Limiter, redis_client: redis.Redis) -> None:
+    rate = Limit("2/400ms")
+    key = log_key(limiter, "release", rate)
+    assert limiter.acquire("release", rate, cost=2).allowed
+    held = limiter.acquire("release", rate, reserve=True)
+    assert held.reserved and held.token and total(redis_client, key) == 3
+    limiter.release(held.token, "release", rate)
+    assert total(redis_client, key) == 2
+    assert len(entries(redis_client, key)) == 1
+    again = limiter.acquire("release", rate, cost=2, reserve=True)
+    assert again.reserved and again.at == held.at  # the released slot is free again
+
+
+def test_no_reservation_beyond_the_horizon(limiter: Limiter, redis_client: redis.Redis) -> None:
+    rate = Limit("1/400ms")
+    assert limiter.acquire("far", rate).allowed
+    denied = limiter.acquire("far", rate, reserve=True, horizon=0.1)
+    assert not denied.allowed and not denied.reserved and denied.token is None
+    assert 0.3 < denied.retry_after <= 0.4
+    assert total(redis_client, log_key(limiter, "far", rate)) == 1
+
+
+def test_counter_never_reserves(limiter: Limiter) -> None:
+    rate = Limit("1/400ms", algorithm="counter")
+    assert limiter.acquire("c", rate, reserve=True).allowed
+    denied = limiter.acquire("c", rate, reserve=True)
+    assert not denied.allowed and not denied.reserved
