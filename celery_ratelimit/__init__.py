@@ -9,6 +9,7 @@ Public API::
 from __future__ import annotations
 
 from ._decision import Decision
+from ._decorator import ratelimit
 from ._exceptions import (
     InvalidLimit,
     InvalidRate,
@@ -16,9 +17,11 @@ from ._exceptions import (
     RateLimitError,
     RateLimitExceeded,
 )
+from ._install import install
 from ._limit import Limit
 from ._limiter import Limiter
 from ._rate import Rate
+from ._task import RateLimitedTask
 
 __all__ = [
     "Decision",
@@ -30,5 +33,8 @@ __all__ = [
     "Rate",
     "RateLimitError",
     "RateLimitExceeded",
+    "RateLimitedTask",
+    "install",
+    "ratelimit",
 ]
 __version__ = "0.1.0"

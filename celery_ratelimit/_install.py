@@ -1,0 +1,123 @@
+"""install(app): worker-wide rate limits for plain tasks, from ``app.conf.ratelimit_rules``.
+
+How it hooks in, and why:
+
+- **Task annotations** (``app.conf.task_annotations``). Celery applies annotations to
+  each task class when it is bound to the app, which happens for every task,
+  including tasks registered after ``install`` runs (late imports, ``@shared_task``
+  in modules loaded by ``autodiscover_tasks``). Our annotation object sets the
+  task's ``ratelimit`` and wraps its ``before_start`` (the same check the base class
+  runs), so the worker's tracer, built after binding, calls it.
+- **Tasks already bound** when ``install`` is called were annotated before our
+  annotation existed; ``install`` attaches to them directly, and again on the app's
+  ``on_after_finalize`` signal for anything bound in between.
+- A ``task_cls`` swap was not used: it changes the base of tasks declared after it
+  only, and overrides a base class the project may already set.
+
+A task's own ``ratelimit`` (base class option or decorator) wins over the rules.
+Built-in ``celery.*`` tasks are never limited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ._exceptions import InvalidLimit
+from ._limit import Limit, to_limits
+from ._settings import check_app_settings, setting
+from ._task import wrap_before_start
+
+
+class Rules:
+    """Task name patterns mapped to limits; an exact name wins over a glob, and among
+    globs the first in the mapping's order wins."""
+
+    def __init__(self, rules: Mapping[str, Any]) -> None:
+        self.exact: dict[str, tuple[Limit, ...]] = {}
+        self.globs: list[tuple[str, tuple[Limit, ...]]] = []
+        for pattern, spec in rules.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise InvalidLimit(
+                    f"ratelimit_rules keys must be task name patterns, got {pattern!r}"
+                )
+            limits = to_limits(spec, f"ratelimit_rules[{pattern!r}]")
+            if any(ch in pattern for ch in "*?["):
+                self.globs.append((pattern, limits))
+            else:
+                self.exact[pattern] = limits
+
+    def match(self, name: str) -> tuple[Limit, ...] | None:
+        if not name or name.startswith("celery."):
+            return None
+        if name in self.exact:
+            return self.exact[name]
+        for pattern, limits in self.globs:
+            if fnmatchcase(name, pattern):
+                return limits
+        return None
+
+
+class _Annotation:
+    """A Celery task annotation that attaches the rule matching the task's name."""
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+
+    def annotate(self, task: Any) -> None:
+        _apply(task, self.rules)  # returns None so that later annotations still apply
+
+    def annotate_any(self) -> None:
+        return None
+
+
+def _apply(task: Any, rules: Rules) -> None:
+    cls: Any = task if isinstance(task, type) else type(task)
+    if cls.__dict__.get("ratelimit") is not None and not cls.__dict__.get("_ratelimit_from_rules"):
+        return  # the task declared its own limits
+    limits = rules.match(getattr(cls, "name", None) or "")
+    if limits is None:
+        return
+    cls.ratelimit = limits
+    cls._ratelimit_from_rules = True
+    wrap_before_start(cls)
+
+
+def install(app: Any) -> Rules:
+    """Apply ``app.conf.ratelimit_rules`` to the app's tasks, now and later.
+
+    Validates the rules and every ``ratelimit_*`` setting now (import time).
+
+    Example::
+
+        app.conf.ratelimit_rules = {
+            "proj.tasks.fetch_*": "100/m",
+            "proj.tasks.search": Limit("10/s"),
+        }
+        install(app)
+
+    Raises:
+        InvalidRate, InvalidLimit, TypeError: a bad rule or setting, naming it.
+    """
+    check_app_settings(app)
+    rules = Rules(setting("ratelimit_rules", app))
+    annotation = _Annotation(rules)
+    existing = app.conf.task_annotations
+    if existing is None:
+        annotations: list[Any] = []
+    elif isinstance(existing, (list, tuple)):
+        annotations = list(existing)
+    else:
+        annotations = [existing]
+    annotations = [a for a in annotations if not isinstance(a, _Annotation)]
+    app.conf.task_annotations = [annotation, *annotations]
+    app.__dict__.pop("annotations", None)  # Celery caches the prepared annotations
+
+    def attach_all(**_: Any) -> None:
+        for task in list(app._tasks.values()):
+            _apply(task, rules)
+
+    attach_all()
+    app.on_after_finalize.connect(attach_all, weak=False)
+    return rules

@@ -1,0 +1,163 @@
+"""Settings: every ``ratelimit_*`` option resolved in one place, and the per-process limiter.
+
+Resolution order, for every option: call option (a message header of the same name,
+``task.apply_async(..., headers={"ratelimit_max_deferrals": 3})``) > the task's own
+option (``@app.task(base=RateLimitedTask, ratelimit_max_deferrals=3)`` or the
+``ratelimit`` decorator's keyword) > ``app.conf`` > the library default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery import signals
+
+from ._exceptions import InvalidLimit
+from ._limit import REDIS_ERROR_POLICIES
+from ._limiter import DEFAULT_PREFIX, Limiter
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+#: Every setting and its default. ``ratelimit_redis_url`` None means: the broker URL
+#: when it is redis:// or rediss://, else DEFAULT_REDIS_URL.
+DEFAULTS: dict[str, Any] = {
+    "ratelimit_redis_url": None,
+    "ratelimit_key_prefix": DEFAULT_PREFIX,
+    "ratelimit_rules": {},
+    "ratelimit_on_redis_error": "defer",
+    # Longest single deferral, seconds. An ETA message is held unacknowledged by the
+    # worker that fetched it: past the Redis transport's visibility_timeout (1 h by
+    # default) it is delivered a second time, past RabbitMQ's consumer_timeout (30 min)
+    # the channel is closed. Ten minutes stays well inside both.
+    "ratelimit_max_countdown": 600.0,
+    "ratelimit_max_deferrals": None,
+    "ratelimit_reserve": True,
+    # Countdown of a deferral made because Redis could not be reached (policy "defer").
+    "ratelimit_redis_error_countdown": 1.0,
+    # Seconds between two "Redis unavailable, running unlimited" warnings (policy "allow").
+    "ratelimit_warning_interval": 60.0,
+}
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidLimit(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _max_deferrals(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidLimit(f"{name} must be None or an int >= 0, got {value!r}")
+    return value
+
+
+def _policy(name: str, value: Any) -> str:
+    if value not in REDIS_ERROR_POLICIES:
+        raise InvalidLimit(
+            f"{name} must be one of {', '.join(REDIS_ERROR_POLICIES)}, got {value!r}"
+        )
+    return str(value)
+
+
+def _string(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidLimit(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidLimit(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _rules(name: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidLimit(
+            f"{name} must be a mapping of task name patterns to limits, got {value!r}"
+        )
+    return value
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "ratelimit_redis_url": _string,
+    "ratelimit_key_prefix": _string,
+    "ratelimit_rules": _rules,
+    "ratelimit_on_redis_error": _policy,
+    "ratelimit_max_countdown": _positive_number,
+    "ratelimit_max_deferrals": _max_deferrals,
+    "ratelimit_reserve": _flag,
+    "ratelimit_redis_error_countdown": _positive_number,
+    "ratelimit_warning_interval": _positive_number,
+}
+
+_UNSET = object()
+
+
+def setting(name: str, app: Any, task: Any = None, request: Any = None) -> Any:
+    """The value of option ``name``: call option > task option > app.conf > default.
+
+    Raises:
+        InvalidLimit: the value found is invalid (naming the option and the value).
+    """
+    value: Any = _UNSET
+    if request is not None:
+        value = getattr(request, name, _UNSET)
+    if value is _UNSET and task is not None:
+        value = getattr(task, name, _UNSET)
+    if value is _UNSET:
+        value = app.conf.get(name, _UNSET)
+    if value is _UNSET:
+        value = DEFAULTS[name]
+    return _CHECKS[name](name, value)
+
+
+def check_app_settings(app: Any) -> None:
+    """Validate every ``ratelimit_*`` key of ``app.conf`` (unknown names included)."""
+    for name in list(app.conf.keys()):
+        if name.startswith("ratelimit_"):
+            if name not in DEFAULTS:
+                raise InvalidLimit(
+                    f"unknown setting {name!r}: expected one of {', '.join(sorted(DEFAULTS))}"
+                )
+            setting(name, app)
+
+
+def redis_url(app: Any) -> str:
+    """``ratelimit_redis_url``, else the broker URL when it is Redis, else localhost."""
+    url = setting("ratelimit_redis_url", app)
+    if url:
+        return str(url)
+    broker = app.conf.broker_url
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+        return broker.split(";")[0]
+    return DEFAULT_REDIS_URL
+
+
+_limiters: dict[tuple[int, str, str], Limiter] = {}
+
+
+def limiter_for(app: Any) -> Limiter:
+    """This process's limiter for ``app``, created on first use.
+
+    Worker processes fork; a Redis connection must never be shared across a fork, so
+    clients are keyed by process id and dropped by ``worker_process_init``.
+    """
+    url = redis_url(app)
+    prefix = setting("ratelimit_key_prefix", app)
+    key = (os.getpid(), url, prefix)
+    limiter = _limiters.get(key)
+    if limiter is None:
+        limiter = _limiters[key] = Limiter.from_url(url, prefix=prefix)
+    return limiter
+
+
+def _fresh_clients_after_fork(**_: Any) -> None:
+    _limiters.clear()
+
+
+signals.worker_process_init.connect(_fresh_clients_after_fork, weak=False)

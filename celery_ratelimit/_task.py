@@ -1,0 +1,399 @@
+"""RateLimitedTask: before_start -> one limiter call -> run, or defer without losing the task.
+
+The check runs in ``Task.before_start``. Celery (>= 5.2) calls it inside the same
+``try`` that handles ``Retry``, ``Ignore`` and ``Reject``, so raising ``Retry`` there
+ends this execution cleanly (state ``RETRY``) and the body never runs. A
+``task_prerun`` signal handler could not do this: its exceptions are logged and
+swallowed.
+
+A denied call is published again as the same task (same id, args, kwargs, links,
+chain, chord, group, queue, priority, expires) with ``countdown`` = the limiter's
+retry-after, ``retries`` unchanged, and two headers: ``ratelimit_deferrals`` (how many
+times this task was deferred) and ``ratelimit_token`` (its reserved slot, if any).
+The copy is published *before* the original message is acknowledged: a crash in
+between can duplicate a message, never lose one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Task, signals
+from celery.exceptions import Reject, Retry
+
+from ._decision import Decision
+from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitExceeded
+from ._keys import escape_key, render
+from ._limit import Limit, check_cost, describe, to_limits
+from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter
+from ._settings import limiter_for, setting
+
+logger = logging.getLogger("celery_ratelimit")
+
+#: Message headers written on a deferral.
+DEFERRALS_HEADER = "ratelimit_deferrals"
+TOKEN_HEADER = "ratelimit_token"
+#: Request attribute holding the Decision that let the task run.
+DECISION_ATTR = "ratelimit_decision"
+#: An arrival this early (or a reservation this close) is waited for in-process
+#: instead of being published again.
+MAX_IN_PROCESS_WAIT = 0.25
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a task's limits need per call, worked out once per task class."""
+
+    limits: tuple[Limit, ...]
+    signature: inspect.Signature | None
+    task_name: str
+
+    def resolve(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[list[str], list[int]]:
+        """Escaped keys and costs for this call.
+
+        Raises:
+            InvalidLimit: a template names a missing argument, a key or cost function
+                returned something unusable, or a cost exceeds its limit.
+        """
+        arguments: Mapping[str, Any] | None = None
+        keys: list[str] = []
+        costs: list[int] = []
+        for limit in self.limits:
+            key = limit.key
+            if key is None:
+                keys.append(escape_key(self.task_name))
+            elif isinstance(key, str):
+                if limit.fields:
+                    if arguments is None:
+                        arguments = self._bind(args, kwargs)
+                    keys.append(render(key, arguments, args))
+                else:
+                    keys.append(escape_key(key))
+            else:
+                value = key(*args, **kwargs)
+                if not isinstance(value, str) or not value:
+                    raise InvalidLimit(
+                        f"key function of {limit.label} returned {value!r}, expected a "
+                        "non-empty string"
+                    )
+                keys.append(escape_key(value))
+            cost = limit.cost(*args, **kwargs) if callable(limit.cost) else limit.cost
+            check_cost(cost, f"cost of {limit.label}")
+            if cost > limit.rate.limit:
+                raise InvalidLimit(
+                    f"cost {cost} of {self.task_name} is greater than the limit "
+                    f"{limit.label}: it could never run"
+                )
+            costs.append(cost)
+        return keys, costs
+
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.signature is None:
+            return dict(kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidLimit(
+                f"cannot bind the arguments of {self.task_name} to build its rate-limit key: {exc}"
+            ) from None
+        bound.apply_defaults()
+        return bound.arguments
+
+
+def plan_for(task: Any) -> Plan | None:
+    """The task's Plan, or None if it has no ``ratelimit`` (or is a ``celery.*`` task)."""
+    cls = type(task)
+    spec = getattr(task, "ratelimit", None)
+    cached = cls.__dict__.get("_ratelimit_plan")
+    if cached is not None and cached[0] is spec:
+        return cached[1]  # type: ignore[no-any-return]
+    plan = None
+    name = task.name or cls.__name__
+    if spec is not None and not name.startswith("celery."):
+        try:
+            signature: inspect.Signature | None = inspect.signature(task.run)
+        except (TypeError, ValueError):
+            signature = None
+        plan = Plan(to_limits(spec, f"ratelimit of task {name}"), signature, name)
+    cls._ratelimit_plan = (spec, plan)
+    return plan
+
+
+_warned_at = 0.0
+_warn_lock = threading.Lock()
+
+
+def _warn_fail_open(task: Any, exc: Exception) -> None:
+    global _warned_at
+    interval = setting("ratelimit_warning_interval", task.app)
+    with _warn_lock:
+        now = time.monotonic()
+        if now - _warned_at < interval:
+            return
+        _warned_at = now
+    logger.warning(
+        "ratelimit: Redis unavailable (%s); running %s without its rate limit "
+        "(on_redis_error='allow'; next warning in %.0fs at the earliest)",
+        exc,
+        task.name,
+        interval,
+    )
+
+
+def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Let the task run now, or defer it and raise ``Retry``.
+
+    Called from ``before_start`` of every rate-limited task.
+
+    Raises:
+        Retry: the task was published again for later; this execution ends.
+        RateLimitExceeded: deferred more than ``ratelimit_max_deferrals`` times.
+        InvalidLimit: the call's key or cost cannot be worked out (the task fails).
+        LimiterUnavailable: Redis is down and the policy is ``"raise"``.
+    """
+    request = task.request
+    if request.is_eager or request.called_directly:
+        return
+    plan = plan_for(task)
+    if plan is None:
+        return
+    app = task.app
+    keys, costs = plan.resolve(tuple(args), kwargs)
+    max_countdown = setting("ratelimit_max_countdown", app, task, request)
+    token = getattr(request, TOKEN_HEADER, None) or None
+    limiter = limiter_for(app)
+    redis_keys = limiter.keys_for(keys, plan.limits)
+    while True:
+        try:
+            mode = (
+                CONFIRM
+                if token
+                else (RESERVE if setting("ratelimit_reserve", app, task, request) else ACQUIRE)
+            )
+            decision = limiter.decide(
+                redis_keys, plan.limits, costs, mode, token=token, horizon=max_countdown
+            )
+        except LimiterUnavailable as exc:
+            policy = _redis_error_policy(task, plan, request)
+            if policy == "allow":
+                _warn_fail_open(task, exc)
+                return
+            if policy == "raise":
+                raise
+            countdown = setting("ratelimit_redis_error_countdown", app, task, request)
+            token = _defer(task, plan, keys, args, kwargs, countdown, None, f"Redis error: {exc}")
+            continue
+        if decision.allowed:
+            setattr(request, DECISION_ATTR, decision)
+            return
+        if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT:
+            time.sleep(decision.retry_after)
+            setattr(request, DECISION_ATTR, decision)
+            return
+        countdown = min(decision.retry_after, max_countdown)
+        reason = (
+            f"rate limited by {decision.limit.label if decision.limit else describe(plan.limits)}"
+        )
+        token = _defer(
+            task,
+            plan,
+            keys,
+            args,
+            kwargs,
+            countdown,
+            decision.token if decision.reserved else None,
+            reason,
+            limiter,
+            redis_keys,
+            costs,
+        )
+
+
+def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:
+    own = getattr(request, "ratelimit_on_redis_error", None)
+    if own is None:
+        for limit in plan.limits:
+            if limit.on_redis_error is not None:
+                own = limit.on_redis_error
+                break
+    if own is not None:
+        return str(own)
+    return str(setting("ratelimit_on_redis_error", task.app, task, request))
+
+
+def _defer(
+    task: Any,
+    plan: Plan,
+    keys: list[str],
+    args: Any,
+    kwargs: Any,
+    countdown: float,
+    token: str | None,
+    reason: str,
+    limiter: Limiter | None = None,
+    redis_keys: list[str] | None = None,
+    costs: list[int] | None = None,
+) -> str | None:
+    """Publish the task again ``countdown`` seconds from now, then raise ``Retry``.
+
+    Returns only when the publish failed and the task must wait in this process
+    instead (acks_early: the original message is already acknowledged); the return
+    value is the token to confirm after that wait.
+    """
+    request = task.request
+    app = task.app
+    deferrals = int(getattr(request, DEFERRALS_HEADER, 0) or 0)
+    max_deferrals = setting("ratelimit_max_deferrals", app, task, request)
+
+    def give_back() -> None:
+        if token and limiter is not None and redis_keys is not None and costs is not None:
+            with contextlib.suppress(LimiterUnavailable):
+                limiter.decide(redis_keys, plan.limits, costs, RELEASE, token=token)
+
+    if max_deferrals is not None and deferrals >= max_deferrals:
+        give_back()
+        raise RateLimitExceeded(
+            f"{task.name}[{request.id}] was deferred {deferrals} times "
+            f"(ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
+        )
+    headers = {
+        name: value
+        for name, value in vars(request).items()
+        if name.startswith("ratelimit_") and name != DECISION_ATTR
+    }
+    headers[DEFERRALS_HEADER] = deferrals + 1
+    headers[TOKEN_HEADER] = token
+    signature = task.signature_from_request(
+        request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+    )
+    try:
+        signature.apply_async()
+    except Exception as exc:
+        if task.acks_late:
+            logger.error(
+                "ratelimit: could not re-publish %s[%s] (%s); rejecting it with requeue "
+                "so the broker delivers it again",
+                task.name,
+                request.id,
+                exc,
+            )
+            raise Reject(exc, requeue=True) from exc
+        logger.error(
+            "ratelimit: could not re-publish %s[%s] (%s); waiting %.3fs in this process "
+            "instead, so the task is not lost",
+            task.name,
+            request.id,
+            exc,
+            countdown,
+        )
+        time.sleep(countdown)
+        return token
+    logger.info(
+        "ratelimit: deferred %s[%s] key %s for %.3fs (deferral %d%s; %s)",
+        task.name,
+        request.id,
+        ",".join(keys),
+        countdown,
+        deferrals + 1,
+        ", slot reserved" if token else "",
+        reason,
+    )
+    raise Retry(reason, when=countdown, sig=signature)
+
+
+class RateLimitedTask(Task):  # type: ignore[misc]
+    """A Celery task whose executions share one rate limit across every worker node.
+
+    Options (as ``@app.task(base=RateLimitedTask, ...)`` keywords or class attributes):
+
+    - ``ratelimit``: a rate string (``"10/s"``), a :class:`Limit`, or a list of Limits
+      (checked all or nothing). Keys are templates formatted from the call's arguments
+      (``Limit("100/m", key="api:{tenant}")``); the default key is the task name.
+    - ``ratelimit_max_countdown``, ``ratelimit_max_deferrals``, ``ratelimit_reserve``,
+      ``ratelimit_on_redis_error``: override the ``app.conf`` settings for this task.
+
+    Example::
+
+        @app.task(base=RateLimitedTask, ratelimit=Limit("100/m", key="yt:quota:{api_key}"))
+        def fetch(api_key, region): ...
+    """
+
+    ratelimit: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery builds one subclass per @app.task: validate the option right there,
+        # so a bad rate fails when the task is declared, not when it first runs.
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("ratelimit")
+        if spec is not None:
+            cls.ratelimit = to_limits(
+                spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
+            )
+
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Check the shared limit before the body runs; defer (``Retry``) if denied."""
+        enforce(self, args, kwargs)
+        super().before_start(task_id, args, kwargs)
+
+
+def wrap_before_start(cls: Any) -> None:
+    """Make a plain task class enforce its ``ratelimit`` in ``before_start``.
+
+    Used by the ``ratelimit`` decorator and by ``install``: the method is set on the
+    task's own class (Celery looks it up there when it builds the task's tracer); an
+    existing ``before_start`` still runs, after the check.
+    """
+    if issubclass(cls, RateLimitedTask) or cls.__dict__.get("_ratelimit_wrapped"):
+        return
+    original = cls.before_start
+
+    def before_start(
+        self: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        enforce(self, args, kwargs)
+        original(self, task_id, args, kwargs)
+
+    before_start.__doc__ = RateLimitedTask.before_start.__doc__
+    cls.before_start = before_start
+    cls._ratelimit_wrapped = True
+
+
+def _release_on_revoke(request: Any = None, **_: Any) -> None:
+    """A revoked or expired task gives its reserved slot back (if it had one)."""
+    headers = getattr(request, "_request_dict", None) or {}
+    token = headers.get(TOKEN_HEADER)
+    task = getattr(request, "task", None)
+    if not token or task is None:
+        return
+    try:
+        plan = plan_for(task)
+        if plan is None:
+            return
+        keys, costs = plan.resolve(tuple(request.args or ()), request.kwargs or {})
+        limiter = limiter_for(task.app)
+        limiter.decide(
+            limiter.keys_for(keys, plan.limits), plan.limits, costs, RELEASE, token=token
+        )
+    except Exception as exc:  # a slot that cannot be released only wastes budget
+        logger.debug("ratelimit: could not release the slot of %s: %s", request.id, exc)
+
+
+__all__ = [
+    "DECISION_ATTR",
+    "DEFERRALS_HEADER",
+    "TOKEN_HEADER",
+    "Decision",
+    "RateLimitedTask",
+    "enforce",
+]
+
+signals.task_revoked.connect(_release_on_revoke, weak=False)
