@@ -15,7 +15,7 @@ def source(name: str) -> str:
     source checkout."""
     if name not in NAMES:
         raise KeyError(name)
-    packaged = resources.files("celery_ratelimit").joinpath("lua", f"{name}.lua")
+    packaged = resources.files("celery_ratelimit") / "lua" / f"{name}.lua"
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
     return (Path(__file__).resolve().parent.parent / "lua" / f"{name}.lua").read_text(

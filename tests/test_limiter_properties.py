@@ -1,0 +1,118 @@
+"""Property tests: the sliding log against a pure-Python model of the window, and key
+escaping. Redis time cannot be steered, so the model is fed the server's own instants
+(``Decision.at`` for grants and reservations, the reply's ``now`` for denials)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._keys import MAX_KEY, escape_part, redis_key, render
+from tests.log_reader import entries, max_in_window, total, us, weight_after
+
+LIMIT, WINDOW_US = 6, 120_000
+RATE = Limit(f"{LIMIT}/120ms")
+_examples = itertools.count()
+
+
+def earliest_fit(log: list[tuple[int, int]], now: int, cost: int) -> int:
+    """The model: the earliest s >= now at which g(s) + cost <= LIMIT, where g(s) is the
+    weight of all entries later than s - W (reservations included)."""
+    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
+        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
+            return s
+    raise AssertionError("the model found no instant")  # pragma: no cover
+
+
+operation = st.tuples(
+    st.integers(1, LIMIT),  # cost
+    st.integers(0, 40),  # milliseconds to wait before the call
+    st.booleans(),  # reserve when denied
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(ops=st.lists(operation, min_size=1, max_size=14))
+def test_the_log_decides_like_the_model_and_never_overfills_a_window(
+    limiter: Limiter, redis_client: redis.Redis, ops: list[tuple[int, int, bool]]
+) -> None:
+    name = f"model-{next(_examples)}"
+    key = limiter.keys_for(name, RATE)[0]
+    log: list[tuple[int, int]] = []
+    for cost, wait_ms, reserve in ops:
+        time.sleep(wait_ms / 1000)
+        d = limiter.acquire(name, RATE, cost=cost, reserve=reserve)
+        if d.allowed:
+            now = us(d.at)
+            assert earliest_fit(log, now, cost) == now, (log, now, cost)
+            log.append((now, cost))
+        elif d.reserved:
+            slot = us(d.at)
+            now = slot - us(d.retry_after)
+            assert earliest_fit(log, now, cost) == slot
+            assert slot > now
+            log.append((slot, cost))
+        else:
+            assert not reserve
+            now = us(d.at)
+            assert earliest_fit(log, now, cost) == now + us(d.retry_after) > now
+        live = [(t, w) for t, w in log if t > now - WINDOW_US]
+        assert d.remaining == max(0, LIMIT - sum(w for _, w in live))
+        assert max_in_window(log, WINDOW_US) <= LIMIT
+    # what Redis holds is exactly the model's entries still in the window at the last call
+    stored = entries(redis_client, key)
+    assert sorted(stored) == sorted(live)
+    assert total(redis_client, key) == sum(w for _, w in stored)
+    redis_client.delete(key)
+
+
+# -- key escaping -------------------------------------------------------------------------
+
+values = st.one_of(st.text(max_size=80), st.binary(max_size=80).map(bytes.hex), st.integers())
+
+
+@settings(max_examples=300)
+@given(a=values, b=values)
+def test_distinct_argument_values_never_share_a_key_or_move_the_hash_tag(
+    a: object, b: object
+) -> None:
+    ka = render("tenant:{x}:calls", {"x": a}, ())
+    kb = render("tenant:{x}:calls", {"x": b}, ())
+    assert (ka == kb) == (str(a) == str(b))
+    for rendered in (ka, kb):
+        full = redis_key("ratelimit", rendered, RATE)
+        assert full.startswith("ratelimit:{tenant}:")
+        assert full.count("{") == full.count("}") == 1
+        assert rendered.count(":") == 2  # the value cannot add a segment
+    ta = render("{x}:calls", {"x": a}, ())
+    tb = render("{x}:calls", {"x": b}, ())
+    assert (ta == tb) == (str(a) == str(b))
+    tag = redis_key("ratelimit", ta, RATE).split("{", 1)[1].split("}", 1)[0]
+    assert tag == escape_part(a)  # the whole value, and only it, is the tag
+
+
+@settings(max_examples=100)
+@given(value=st.one_of(st.text(min_size=100, max_size=5000), st.binary(min_size=1, max_size=5000)))
+def test_long_and_binary_values_give_bounded_printable_keys(value: str | bytes) -> None:
+    rendered = render("tenant:{x}:{x}:{x}", {"x": value}, ())
+    assert len(rendered) <= MAX_KEY
+    assert all(0x21 <= ord(c) <= 0x7E for c in rendered)
+    assert "{" not in rendered and "}" not in rendered
+
+
+def test_escaping_examples() -> None:
+    assert escape_part("acme") == "acme"
+    assert escape_part("a:b") == "a%3Ab"
+    assert escape_part("{x}") == "%7Bx%7D"
+    assert escape_part(b"\x00\xff") == "%00%FF"
+    assert escape_part("%3A") == "%253A"  # an escaped-looking value cannot collide
+    assert escape_part("x" * 65).startswith("#") and len(escape_part("x" * 65)) == 33
