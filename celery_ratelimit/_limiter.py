@@ -202,12 +202,16 @@ class Limiter:
         *,
         token: str | None = None,
         horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
     ) -> Decision:
         """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
 
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
-        per-call cap checked together).
+        per-call cap checked together). ``guard`` (seconds) widens each window by that
+        much, at most 2% of it, so that work starting a little after its grant still
+        fits the window as seen downstream (the Celery layer's ``ratelimit_guard``).
         """
+        guard_us = int(guard * 1_000_000)
         if isinstance(cost, int):
             costs = [cost] * len(limits)
         elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
@@ -228,7 +232,8 @@ class Limiter:
                     f"cost {one} is greater than the limit of {limit.label}: "
                     "such a call could never run"
                 )
-            args += (limit.rate.limit, limit.rate.window_us, one)
+            window = limit.rate.window_us
+            args += (limit.rate.limit, window + min(guard_us, window // 50), one)
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
