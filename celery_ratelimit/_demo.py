@@ -125,7 +125,7 @@ class Demo:
         assert self.redis is not None
         from ._demo_app import RUNS, call_api
 
-        client = self.redis.client()
+        client = self.redis.client(decode_responses=True)
         client.config_resetstat()
         started = time.monotonic()
         for i in range(tasks):
@@ -142,7 +142,7 @@ class Demo:
         self.out.write("\n")
         runs = []
         for raw in client.lrange(RUNS, 0, -1):
-            started_us, granted_us, deferred = bytes(raw).decode().split()
+            started_us, granted_us, deferred = raw.split()
             runs.append((int(started_us), int(granted_us), int(deferred)))
         stats = client.info("commandstats")
         # NOSCRIPT replies (a process's first call, before the script is loaded) are

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from ._client import client_from_url
 from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable
 from ._keys import escape_key, redis_key
@@ -68,14 +67,15 @@ class Limiter:
         socket_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **client_options: Any,
     ) -> Limiter:
-        """A limiter on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+        """A limiter on a new client for ``url``.
 
-        Timeouts are bounded by default so that a hung Redis never hangs a worker;
-        one retry (no backoff) absorbs a pooled connection that a Redis restart closed.
-        Extra keyword arguments go to ``redis.Redis.from_url``.
+        ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://h:p,h:p/master/db``
+        or ``redis+cluster://h:p,h:p`` (see ``_client``). Timeouts are bounded by default
+        so that a hung Redis never hangs a worker; one retry (no backoff) absorbs a
+        pooled connection that a Redis restart closed. Extra keyword arguments go to
+        the redis-py client.
         """
-        client_options.setdefault("retry", Retry(NoBackoff(), 1))
-        client = redis.Redis.from_url(
+        client = client_from_url(
             url,
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_connect_timeout,
