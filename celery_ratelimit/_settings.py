@@ -42,6 +42,8 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_redis_error_countdown": 1.0,
     # Seconds between two "Redis unavailable, running unlimited" warnings (policy "allow").
     "ratelimit_warning_interval": 60.0,
+    # Record Prometheus metrics (needs the `metrics` extra); see _metrics.py.
+    "ratelimit_metrics": False,
 }
 
 
@@ -104,6 +106,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ratelimit_guard": _non_negative,
     "ratelimit_redis_error_countdown": _positive_number,
     "ratelimit_warning_interval": _positive_number,
+    "ratelimit_metrics": _flag,
 }
 
 _UNSET = object()

@@ -33,6 +33,7 @@ from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitExceeded
 from ._keys import escape_key, render
 from ._limit import Limit, check_cost, describe, to_limits
 from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter
+from ._metrics import metrics_for, send_deferral_event
 from ._settings import limiter_for, setting
 
 logger = logging.getLogger("celery_ratelimit")
@@ -173,6 +174,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     token = getattr(request, TOKEN_HEADER, None) or None
     limiter = limiter_for(app)
     redis_keys = limiter.keys_for(keys, plan.limits)
+    metrics = metrics_for(app)  # None unless ratelimit_metrics is on
     while True:
         try:
             mode = (
@@ -180,6 +182,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 if token
                 else (RESERVE if setting("ratelimit_reserve", app, task, request) else ACQUIRE)
             )
+            started = time.perf_counter()
             decision = limiter.decide(
                 redis_keys,
                 plan.limits,
@@ -190,6 +193,8 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 guard=guard,
             )
         except LimiterUnavailable as exc:
+            if metrics is not None:
+                metrics.redis_error(plan.limits)
             policy = _redis_error_policy(task, plan, request)
             if policy == "allow":
                 _warn_fail_open(task, exc)
@@ -199,11 +204,14 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             countdown = setting("ratelimit_redis_error_countdown", app, task, request)
             token = _defer(task, plan, keys, args, kwargs, countdown, None, f"Redis error: {exc}")
             continue
-        if decision.allowed:
-            setattr(request, DECISION_ATTR, decision)
-            return
-        if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT:
-            time.sleep(decision.retry_after)
+        runs = decision.allowed or (
+            decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT
+        )
+        if metrics is not None:
+            metrics.decision(plan.limits, decision, time.perf_counter() - started, runs, mode)
+        if runs:
+            if not decision.allowed:
+                time.sleep(decision.retry_after)
             setattr(request, DECISION_ATTR, decision)
             return
         countdown = min(decision.retry_after, max_countdown)
@@ -222,6 +230,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             limiter,
             redis_keys,
             costs,
+            denied_by=decision.limit,
         )
 
 
@@ -249,6 +258,7 @@ def _defer(
     limiter: Limiter | None = None,
     redis_keys: list[str] | None = None,
     costs: list[int] | None = None,
+    denied_by: Limit | None = None,
 ) -> str | None:
     """Publish the task again ``countdown`` seconds from now, then raise ``Retry``.
 
@@ -314,6 +324,11 @@ def _defer(
         ", slot reserved" if token else "",
         reason,
     )
+    metrics = metrics_for(app)
+    if metrics is not None:
+        new_slot = bool(token) and token != getattr(request, TOKEN_HEADER, None)
+        metrics.deferral(plan.limits, denied_by, new_slot)
+    send_deferral_event(task, ",".join(keys), countdown, deferrals + 1, bool(token))
     raise Retry(reason, when=countdown, sig=signature)
 
 

@@ -1,0 +1,184 @@
+"""Metrics: Prometheus counters and a Celery ``task-ratelimited`` event, both optional.
+
+Prometheus (``pip install 'celery-ratelimit[metrics]'``, then
+``app.conf.ratelimit_metrics = True``): every decision a worker makes is recorded in
+``prometheus_client``'s default registry, labelled by limit name (``Limit.label``):
+
+- ``celery_ratelimit_allowed_total``, ``celery_ratelimit_denied_total``,
+  ``celery_ratelimit_deferred_total``, ``celery_ratelimit_redis_errors_total``
+- ``celery_ratelimit_decision_seconds``: latency of one limiter call (one round trip)
+- ``celery_ratelimit_reservations``: slots reserved and not yet used. A reservation is
+  made by the worker that deferred a task and used by whichever worker runs it, so one
+  process's value can be negative; ``sum by (limit)`` over all workers is the count.
+
+``prometheus_client`` is imported the first time a worker with the setting on makes a
+decision, never otherwise; when it is not installed, one warning is logged and the
+metrics are off. With the setting off (the default) a decision costs one ``is None``
+check more. Exposing the registry is the application's choice (``start_http_server``
+in a ``worker_init`` handler; prefork pools need prometheus_client's multiprocess
+mode, ``PROMETHEUS_MULTIPROC_DIR``).
+
+The ``task-ratelimited`` event (fields ``key``, ``countdown``, ``deferrals``,
+``reserved``) is sent through ``Task.send_event`` on every deferral, so that Flower and
+other event monitors see deferrals, but only when the worker sends task events
+(``celery worker -E`` or ``worker_send_task_events = True``) and the task's
+``send_events`` is true: ``Task.send_event`` itself publishes whether or not anyone
+listens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from celery import signals
+
+from ._decision import Decision
+from ._limit import Limit
+from ._limiter import CONFIRM
+
+logger = logging.getLogger("celery_ratelimit")
+
+#: Event type sent on each deferral.
+EVENT = "task-ratelimited"
+#: Histogram buckets for one decision (one Redis round trip), seconds.
+LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+#: The app attribute caching whether the app records metrics (a Metrics or False).
+_APP_ATTR = "_ratelimit_metrics"
+
+
+class Metrics:
+    """The Prometheus collectors, created once per process in the default registry."""
+
+    def __init__(self, prometheus: Any) -> None:
+        counter, histogram, gauge = (
+            prometheus.Counter,
+            prometheus.Histogram,
+            prometheus.Gauge,
+        )
+        self.allowed = counter(
+            "celery_ratelimit_allowed", "Calls the shared limit let run.", ["limit"]
+        )
+        self.denied = counter(
+            "celery_ratelimit_denied",
+            "Calls denied by the shared limit (reserved or not).",
+            ["limit"],
+        )
+        self.deferred = counter(
+            "celery_ratelimit_deferred", "Tasks published again for later.", ["limit"]
+        )
+        self.redis_errors = counter(
+            "celery_ratelimit_redis_errors", "Decisions that failed on Redis.", ["limit"]
+        )
+        self.latency = histogram(
+            "celery_ratelimit_decision_seconds",
+            "Latency of one limiter decision (one Redis round trip).",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.reservations = gauge(
+            "celery_ratelimit_reservations",
+            "Reserved slots not yet used (sum over all workers).",
+            ["limit"],
+            multiprocess_mode="livesum",
+        )
+
+    def decision(
+        self, limits: Iterable[Limit], decision: Decision, seconds: float, runs: bool, mode: int
+    ) -> None:
+        """Record one decision: its latency, and allowed (``runs``) or denied per limit.
+
+        ``mode`` is the script mode: a confirmed reservation that runs is no longer
+        pending; a held one not yet due is no denial.
+        """
+        self.latency.observe(seconds)
+        confirmed = mode == CONFIRM
+        if runs:
+            for limit in limits:
+                self.allowed.labels(limit.label).inc()
+                if confirmed:
+                    self.reservations.labels(limit.label).dec()
+        elif not (confirmed and decision.reserved):
+            for limit in (decision.limit,) if decision.limit is not None else limits:
+                self.denied.labels(limit.label).inc()
+
+    def deferral(self, limits: Iterable[Limit], denied_by: Limit | None, reserved: bool) -> None:
+        """Record one deferral, against the limit that denied it (else every limit),
+        and the new slot it reserved, if any."""
+        for limit in (denied_by,) if denied_by is not None else limits:
+            self.deferred.labels(limit.label).inc()
+        if reserved:
+            for limit in limits:
+                self.reservations.labels(limit.label).inc()
+
+    def redis_error(self, limits: Iterable[Limit]) -> None:
+        for limit in limits:
+            self.redis_errors.labels(limit.label).inc()
+
+
+_metrics: Metrics | None = None
+
+
+def _load() -> Metrics | None:
+    global _metrics
+    if _metrics is None:
+        try:
+            import prometheus_client
+        except ImportError:
+            logger.warning(
+                "ratelimit_metrics is on but prometheus_client is not installed "
+                "(pip install 'celery-ratelimit[metrics]'); metrics are off"
+            )
+            return None
+        _metrics = Metrics(prometheus_client)
+    return _metrics
+
+
+def metrics_for(app: Any) -> Metrics | None:
+    """The collectors if ``app.conf.ratelimit_metrics`` is on, else None (cached per app)."""
+    cached = app.__dict__.get(_APP_ATTR)
+    if cached is None:
+        from ._settings import setting
+
+        cached = (_load() if setting("ratelimit_metrics", app) else None) or False
+        app.__dict__[_APP_ATTR] = cached
+    return cached or None
+
+
+#: Whether this worker sends task events (``-E``); set by ``worker_init``, inherited
+#: by the pool's forked processes. None outside a worker: ``worker_send_task_events``.
+_task_events: bool | None = None
+
+
+def _record_task_events(sender: Any = None, **_: Any) -> None:
+    global _task_events
+    _task_events = bool(getattr(sender, "task_events", False))
+
+
+signals.worker_init.connect(_record_task_events, weak=False)
+
+
+def send_deferral_event(
+    task: Any, key: str, countdown: float, deferrals: int, reserved: bool
+) -> None:
+    """Send ``task-ratelimited`` if the worker sends task events; never raises."""
+    enabled = _task_events
+    if enabled is None:
+        enabled = bool(task.app.conf.worker_send_task_events)
+    if not enabled or not getattr(task, "send_events", True):
+        return
+    try:
+        task.send_event(
+            EVENT,
+            retry=False,
+            key=key,
+            countdown=round(countdown, 6),
+            deferrals=deferrals,
+            reserved=reserved,
+        )
+    except Exception as exc:  # a monitoring event must never cost the task
+        logger.debug("ratelimit: could not send %s for %s: %s", EVENT, task.name, exc)
+
+
+__all__ = ["EVENT", "Metrics", "metrics_for", "send_deferral_event"]
