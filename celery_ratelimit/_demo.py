@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
-from ._embedded import RedisServer
+from ._embedded import RedisServer, WorkerNodes
 from ._rate import Rate
 
 
@@ -80,8 +77,8 @@ class Demo:
         self.out = out
         self.redis: RedisServer | None = None
         self.broker: RedisServer | None = None
-        self.workers: list[subprocess.Popen[bytes]] = []
-        self.logdir = tempfile.mkdtemp(prefix="crl-demo-")
+        self.workers: WorkerNodes | None = None
+        self._history: list[tuple[float, int]] = []
 
     def start(self) -> None:
         self.out.write("starting two private redis-servers (broker, limiter) ... ")
@@ -89,36 +86,22 @@ class Demo:
         self.broker = RedisServer()
         self.redis = RedisServer()
         self.out.write(f"{self.broker.url}, {self.redis.url}\n")
-        env = {
-            **os.environ,
-            "CRL_DEMO_BROKER": self.broker.url,
-            "CRL_DEMO_REDIS": self.redis.url,
-            "CRL_DEMO_RATE": str(self.rate),
-            "CRL_DEMO_RESERVE": "1" if self.reserve else "0",
-        }
-        for n in range(1, self.nodes + 1):
-            log = open(os.path.join(self.logdir, f"node{n}.log"), "wb")  # noqa: SIM115
-            cmd = [
-                sys.executable, "-m", "celery", "-A", "celery_ratelimit._demo_app", "worker",
-                "-P", "prefork", "-c", "2", "-n", f"node{n}@%h", "-l", "INFO",
-                "--without-gossip", "--without-mingle", "--without-heartbeat",
-            ]  # fmt: skip
-            self.workers.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            )  # fmt: skip
         self.out.write(f"starting {self.nodes} worker nodes (prefork, 2 processes each) ... ")
         self.out.flush()
         from ._demo_app import app
 
         app.conf.broker_url = self.broker.url
-        deadline = time.monotonic() + 60
-        while True:
-            replies = app.control.ping(timeout=0.5)
-            if len(replies) >= self.nodes:
-                break
-            if any(w.poll() is not None for w in self.workers) or time.monotonic() > deadline:
-                raise RuntimeError(f"worker nodes did not start; logs in {self.logdir}")
+        self.workers = WorkerNodes(
+            "celery_ratelimit._demo_app",
+            self.nodes,
+            {
+                "CRL_DEMO_BROKER": self.broker.url,
+                "CRL_DEMO_REDIS": self.redis.url,
+                "CRL_DEMO_RATE": str(self.rate),
+                "CRL_DEMO_RESERVE": "1" if self.reserve else "0",
+            },
+        )
+        self.workers.start(app)
         self.out.write("ready\n")
 
     def run(self, tasks: int) -> Report:
@@ -136,7 +119,8 @@ class Demo:
             executed = int(client.llen(RUNS))
             self._progress(executed, tasks, time.monotonic() - started, ideal)
             if time.monotonic() - started > ideal * 3 + 60:
-                self.out.write("\ngave up waiting; see the worker logs in " + self.logdir + "\n")
+                logs = self.workers.logdir if self.workers else "?"
+                self.out.write(f"\ngave up waiting; see the worker logs in {logs}\n")
                 break
             time.sleep(0.2)
         self.out.write("\n")
@@ -169,41 +153,28 @@ class Demo:
         )
 
     def _progress(self, executed: int, tasks: int, elapsed: float, ideal: float) -> None:
+        # executions per second over the last window, against the limit
+        self._history.append((elapsed, executed))
+        while len(self._history) > 1 and self._history[0][0] < elapsed - self.rate.window:
+            self._history.pop(0)
+        t0, n0 = self._history[0]
+        rate = (executed - n0) / (elapsed - t0) if elapsed > t0 else 0.0
         width = 30
         filled = int(width * executed / max(tasks, 1))
-        rate = executed / elapsed if elapsed > 0 else 0.0
         per_second = self.rate.limit / self.rate.window
         self.out.write(
             f"\r[{'#' * filled}{'.' * (width - filled)}] {executed}/{tasks} executed, "
-            f"{tasks - executed} deferred, {rate:5.1f}/s (limit {per_second:g}/s), "
-            f"{elapsed:5.1f}s of ideal {ideal:.1f}s "
+            f"{tasks - executed} waiting, {rate:5.1f}/s over the last window "
+            f"(limit {per_second:g}/s), {elapsed:5.1f}s (ideal {ideal:.1f}s) "
         )
         self.out.flush()
 
     def close(self) -> None:
-        for worker in self.workers:
-            if worker.poll() is None:
-                with _quiet():
-                    os.killpg(worker.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for worker in self.workers:
-            try:
-                worker.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with _quiet():
-                    os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
+        if self.workers is not None:
+            self.workers.stop()
         for server in (self.redis, self.broker):
             if server is not None:
                 server.close()
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
 
 
 def plot(report: Report, path: str) -> None:

