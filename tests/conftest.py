@@ -40,3 +40,13 @@ def limiter(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Limiter]
     for key in lim.client.scan_iter(f"{prefix}:*"):
         lim.client.delete(key)
     lim.client.close()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[object]:
+    """Keep each phase's report on the item (``item.rep_call``), so that fixtures can
+    tell at teardown whether the test failed (the worker-node fixtures then print the
+    nodes' logs)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -1,7 +1,8 @@
 """The Celery app the worker-node tests start (``celery -A tests.apps.nodes worker``).
 
 Configured from the environment by the test that starts the nodes:
-CRL_BROKER, CRL_BACKEND, CRL_REDIS (limiter), CRL_PREFIX, CRL_RATE, CRL_RESERVE.
+CRL_BROKER, CRL_BACKEND, CRL_REDIS (limiter), CRL_PREFIX, CRL_RATE, CRL_RESERVE,
+CRL_QUEUE (default queue name).
 Every task records its execution (Redis TIME taken inside the task) in the list
 ``{CRL_PREFIX}:runs`` so the test can check the windows afterwards.
 """
@@ -92,6 +93,51 @@ def shared_decorated(self: Any, i: int) -> int:
 
 @app.task(bind=True)
 def unlimited(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
+
+
+def units_of(units: int, *_: Any, **__: Any) -> int:
+    """Cost of one ``weighted`` call in quota units."""
+    return units
+
+
+#: A units quota and a per-call cap, checked together (one hash tag: "quota").
+QUOTA = Limit("40/2s", key="quota", cost=units_of)
+CAP = Limit("3/s", key="quota:search")
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="api:{tenant}"), bind=True)
+def per_tenant(self: Any, tenant: str, i: int) -> str:
+    record(self, i=i, tenant=tenant)
+    return f"{tenant}:{i}"
+
+
+@app.task(base=RateLimitedTask, ratelimit=[QUOTA, CAP], bind=True)
+def weighted(self: Any, units: int, i: int) -> int:
+    record(self, i=i, units=units)
+    return units
+
+
+#: Members of chains, groups and chords; slow enough to be deferred.
+MATH = Limit("4/s", key="math")
+
+
+@app.task(base=RateLimitedTask, ratelimit=MATH, bind=True)
+def add(self: Any, x: int, y: int) -> int:
+    record(self, x=x, y=y)
+    return x + y
+
+
+@ratelimit(MATH)
+@app.task(bind=True)
+def total(self: Any, values: list[int]) -> int:
+    record(self, values=values)
+    return sum(values)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{missing}"), bind=True)
+def missing_argument(self: Any, i: int) -> int:
     record(self, i=i)
     return i
 

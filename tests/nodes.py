@@ -1,0 +1,322 @@
+"""Real ``celery worker`` nodes for the tests, and what to read back from them.
+
+``Nodes`` starts N worker processes of ``tests.apps.nodes`` (prefork, concurrency 2),
+each in its own process group with its log in a file, waits until every one of them
+logged ``ready.``, and at ``stop()`` kills the whole group, so no pool child outlives
+the test. The app's tasks append one JSON record per execution to ``{prefix}:runs``
+on the limiter's Redis; ``runs()`` reads them back and the functions below compute
+the numbers the tests assert on.
+
+All times here are microseconds of the limiter's Redis clock (``TIME``), never a
+worker's clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.nodes"
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+READY_TIMEOUT = 60.0
+
+
+def unique_prefix(name: str) -> str:
+    """A key prefix unique to one test (letters, digits and dashes only)."""
+    base = "".join(c if c.isalnum() else "-" for c in name)[:40].strip("-")
+    return f"crl-{base}-{uuid.uuid4().hex[:6]}"
+
+
+def rabbitmq_reachable(host: str = "127.0.0.1", port: int = 5672) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Nodes:
+    """N worker nodes sharing one broker and one limiter Redis.
+
+    Args:
+        logdir: where each node's log file goes.
+        limiter_url: the limiter's Redis (``CRL_REDIS``); the runs list lives there too.
+        broker_url, backend_url: Celery broker and result backend (``None``: no backend).
+        prefix: the limiter's key prefix, unique per test.
+        rate: ``CRL_RATE``, the rate of the tasks that read it.
+        reserve: ``CRL_RESERVE``: deferrals reserve a slot (True) or compete again.
+        queue: the default queue name (``CRL_QUEUE``).
+    """
+
+    logdir: Path
+    limiter_url: str
+    broker_url: str
+    backend_url: str | None = None
+    prefix: str = "crl"
+    rate: str = "10/s"
+    reserve: bool = True
+    queue: str = "celery"
+    count: int = 3
+    concurrency: int = 2
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    _client: Celery | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            CRL_BROKER=self.broker_url,
+            CRL_BACKEND=self.backend_url or "",
+            CRL_REDIS=self.limiter_url,
+            CRL_PREFIX=self.prefix,
+            CRL_RATE=self.rate,
+            CRL_RESERVE="1" if self.reserve else "0",
+            CRL_QUEUE=self.queue,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        )
+        return env
+
+    def start(self) -> Nodes:
+        """Start every node and wait until each logged ``ready.``.
+
+        Raises:
+            RuntimeError: a node exited or was not ready within ``READY_TIMEOUT``
+                (its log is in the message).
+        """
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        env = self.env
+        for k in range(1, self.count + 1):
+            log = self.logdir / f"node{k}.log"
+            cmd = [
+                sys.executable, "-m", "celery", "-A", APP, "worker",
+                "-P", "prefork", "-c", str(self.concurrency),
+                "-n", f"node{k}-{self.prefix}@%h", "-Q", self.queue,
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-l", "INFO",
+            ]  # fmt: skip
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            self.procs.append(proc)
+            self.logs.append(log)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        pending = set(range(len(self.procs)))
+        while pending:
+            for i in list(pending):
+                if b" ready." in self.logs[i].read_bytes():
+                    pending.discard(i)
+                elif self.procs[i].poll() is not None:
+                    raise RuntimeError(f"worker node{i + 1} exited:\n{self.log_text(i)}")
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(
+                    "worker nodes not ready in time:\n"
+                    + "\n".join(self.log_text(i) for i in sorted(pending))
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop every node: SIGTERM, a short grace, then SIGKILL to each process group."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            # the pool children share the group; none may outlive the test
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        self.procs.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- logs -------------------------------------------------------------------
+
+    def log_text(self, i: int, since: int = 0, tail: int = 200) -> str:
+        """The last ``tail`` lines of node ``i``'s log written after byte ``since``."""
+        data = self.logs[i].read_bytes()[since:].decode("utf-8", "replace")
+        lines = data.splitlines()[-tail:]
+        return f"===== {self.logs[i].name} =====\n" + "\n".join(lines)
+
+    def log_marks(self) -> list[int]:
+        return [log.stat().st_size for log in self.logs]
+
+    def logs_since(self, marks: Sequence[int]) -> str:
+        return "\n".join(self.log_text(i, mark) for i, mark in enumerate(marks))
+
+    def grep(self, text: str) -> list[str]:
+        """Every log line (of every node) containing ``text``."""
+        found: list[str] = []
+        for log in self.logs:
+            found += [
+                line for line in log.read_text("utf-8", "replace").splitlines() if text in line
+            ]
+        return found
+
+    # -- talking to the nodes ---------------------------------------------------
+
+    @property
+    def client(self) -> Celery:
+        """A producer app on the same broker and backend (the test process's side)."""
+        if self._client is None:
+            app = Celery("producer", broker=self.broker_url, backend=self.backend_url or None)
+            app.conf.task_default_queue = self.queue
+            app.conf.broker_connection_retry_on_startup = True
+            self._client = app
+        return self._client
+
+    def send(self, name: str, *args: Any, **options: Any) -> Any:
+        """Publish task ``tests.apps.nodes.<name>`` with ``args``; returns its AsyncResult."""
+        return self.client.send_task(f"{APP}.{name}", args=args, **options)
+
+    def signature(self, name: str, *args: Any, **options: Any) -> Any:
+        return self.client.signature(f"{APP}.{name}", args=args, **options)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.limiter_url)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every execution recorded so far (oldest first)."""
+        with self.redis() as client:
+            return [json.loads(raw) for raw in client.lrange(f"{self.prefix}:runs", 0, -1)]
+
+    def clear_runs(self) -> None:
+        with self.redis() as client:
+            client.delete(f"{self.prefix}:runs")
+
+    def wait_for_runs(
+        self, ids: Iterable[str], timeout: float, settle: float = 0.5
+    ) -> list[dict[str, Any]]:
+        """Records of ``ids`` once every one has run (then ``settle`` s more, to catch a
+        duplicate), or whatever ran by ``timeout``."""
+        wanted = set(ids)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mine = [r for r in self.runs() if r["id"] in wanted]
+            if {r["id"] for r in mine} >= wanted:
+                time.sleep(settle)
+                break
+            time.sleep(0.1)
+        return [r for r in self.runs() if r["id"] in wanted]
+
+
+# -- numbers from the records ---------------------------------------------------------
+
+
+def max_in_window(
+    times_us: Iterable[int], window_us: int, weights: Iterable[int] | None = None
+) -> int:
+    """Largest total weight of events in any half-open window ``(t - W, t]``."""
+    times = list(times_us)
+    ws = list(weights) if weights is not None else [1] * len(times)
+    ordered = sorted(zip(times, ws, strict=True))
+    ts = [t for t, _ in ordered]
+    sums = [0]
+    for _, w in ordered:
+        sums.append(sums[-1] + w)
+    best = 0
+    for t in ts:
+        hi = bisect.bisect_right(ts, t)
+        lo = bisect.bisect_right(ts, t - window_us)
+        best = max(best, sums[hi] - sums[lo])
+    return best
+
+
+def percentiles(
+    values: Sequence[float], points: Sequence[int] = (0, 50, 90, 99, 100)
+) -> dict[int, float]:
+    """Nearest-rank percentiles of ``values``."""
+    ordered = sorted(values)
+    if not ordered:
+        return {}
+    return {p: ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
+
+
+def ideal_drain_us(tasks: int, limit: int, window_us: int, cost: int = 1) -> int:
+    """Shortest possible time from the first grant to the last one for ``tasks`` calls
+    of ``cost`` under ``limit`` per window: one full window between bursts."""
+    per_window = limit // cost
+    return (-(-tasks // per_window) - 1) * window_us
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    """Successful EVALSHA/EVAL calls the server has answered since its last stats reset."""
+    stats = client.info("commandstats")
+    calls = 0
+    for name in ("cmdstat_evalsha", "cmdstat_eval"):
+        row = stats.get(name) or {}
+        calls += int(row.get("calls", 0)) - int(row.get("failed_calls", 0))
+    return calls
+
+
+@contextmanager
+def node_set(
+    logdir: Path,
+    prefix: str,
+    *,
+    broker_url: str | None = None,
+    backend: bool = True,
+    separate_limiter: bool = False,
+    **options: Any,
+) -> Iterator[Nodes]:
+    """Private redis-server(s) plus started ``Nodes``; everything is stopped on exit.
+
+    The broker is db 1 and the result backend db 2 of one private redis-server (unless
+    ``broker_url`` names another broker); the limiter is db 0 of the same server, or of
+    a second one when ``separate_limiter`` (so that its command statistics count the
+    limiter's scripts only: kombu's Redis transport runs Lua scripts of its own).
+    """
+    servers = [RedisServer()]
+    try:
+        if separate_limiter:
+            servers.append(RedisServer())
+        main, limiter = servers[0], servers[-1]
+        nodes = Nodes(
+            logdir,
+            limiter_url=f"redis://127.0.0.1:{limiter.port}/0",
+            broker_url=broker_url or f"redis://127.0.0.1:{main.port}/1",
+            backend_url=f"redis://127.0.0.1:{main.port}/2" if backend else None,
+            prefix=prefix,
+            **options,
+        )
+        nodes.start()
+        try:
+            yield nodes
+        finally:
+            nodes.stop()
+    finally:
+        for server in servers:
+            server.close()

@@ -1,0 +1,386 @@
+"""Three real ``celery worker`` nodes sharing one budget in a real redis-server.
+
+Every task of ``tests.apps.nodes`` records, inside its body, the Redis ``TIME`` at
+which it ran and the slot the limiter granted it (``granted``: Redis server time chosen
+atomically by the script). The tests hold the grants to the limit strictly, hold every
+body to "never before its slot", and hold body times to the limit over windows
+shortened by a stated jitter allowance (a body runs a few ms after its slot, and slots
+come in bursts, so a strict count over *body* times can see a burst of the next window
+arrive before the last of the previous one).
+
+Run with ``-s`` (or ``-rP``) to see the measured figures.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import chain, chord, group
+from kombu import Connection
+
+from celery_ratelimit import Rate
+from tests.apps.nodes import CAP, MATH, QUOTA
+from tests.nodes import (
+    RABBITMQ_URL,
+    Nodes,
+    evalsha_calls,
+    ideal_drain_us,
+    max_in_window,
+    node_set,
+    percentiles,
+    rabbitmq_reachable,
+    unique_prefix,
+)
+
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
+
+RATE = "10/s"
+#: Body-time windows are shortened by this much (see the module docstring).
+JITTER_US = 150_000
+#: The drain may take at most this factor of the ideal (loose: the machine is shared).
+DRAIN_FACTOR = 1.5
+DEFERRED = re.compile(r"ratelimit: deferred (\S+)\[([0-9a-f-]+)\]")
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "rep_call", None)
+    return report is None or not report.passed
+
+
+@pytest.fixture(scope="module")
+def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    """Three nodes on a private Redis broker with a Redis result backend, at 10/s."""
+    with node_set(
+        tmp_path_factory.mktemp("nodes"), unique_prefix("redis-nodes"), rate=RATE
+    ) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def nodes(redis_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    """The module's nodes with an empty runs list; their logs are printed on failure."""
+    marks = redis_nodes.log_marks()
+    redis_nodes.clear_runs()
+    yield redis_nodes
+    if _failed(request):
+        print(redis_nodes.logs_since(marks))
+
+
+@pytest.fixture
+def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
+    """Start a node set of the test's own (``node_set`` keywords); stopped at teardown,
+    logs printed on failure."""
+    started: list[Nodes] = []
+    with ExitStack() as stack:
+
+        def start(**options: Any) -> Nodes:
+            prefix = unique_prefix(request.node.name)
+            nodes = stack.enter_context(
+                node_set(tmp_path / f"set{len(started)}", prefix, **options)
+            )
+            started.append(nodes)
+            return nodes
+
+        yield start
+        if _failed(request):
+            for nodes in started:
+                print(nodes.logs_since([0] * len(nodes.logs)))
+
+
+def deferrals_logged(nodes: Nodes) -> Counter[str]:
+    """How many ``deferred`` lines the nodes logged per task id."""
+    counts: Counter[str] = Counter()
+    for line in nodes.grep("ratelimit: deferred "):
+        match = DEFERRED.search(line)
+        if match:
+            counts[match.group(2)] += 1
+    return counts
+
+
+def check_backlog(
+    nodes: Nodes,
+    ids: Sequence[str],
+    runs: list[dict[str, Any]],
+    rate: str,
+    label: str,
+    *,
+    jitter_us: int = JITTER_US,
+) -> dict[str, Any]:
+    """Assert what must hold for a drained backlog and return the measured figures.
+
+    - every task ran exactly once;
+    - no window of the rate holds more grants than the limit (strict);
+    - no body ran before its granted slot;
+    - no window of ``W - jitter`` holds more body executions than the limit;
+    - deferrals consumed no retries, and the header's deferral count equals the
+      number of deferrals the nodes logged for that task.
+    """
+    parsed = Rate.parse(rate)
+    limit, window = parsed.limit, parsed.window_us
+    counted = Counter(r["id"] for r in runs)
+    assert set(counted) == set(ids), (
+        f"{label}: {len(set(ids) - set(counted))} of {len(ids)} tasks never ran"
+    )
+    assert max(counted.values()) == 1, (
+        f"{label}: ran more than once: {[i for i, n in counted.items() if n > 1]}"
+    )
+    grants = [r["granted"] for r in runs]
+    bodies = [r["t"] for r in runs]
+    assert None not in grants, f"{label}: a task ran without a grant"
+    max_grants = max_in_window(grants, window)
+    assert max_grants <= limit, f"{label}: {max_grants} grants in one window of {rate}"
+    early = [r for r in runs if r["t"] < r["granted"]]
+    assert not early, f"{label}: {len(early)} bodies ran before their slot: {early[:3]}"
+    max_bodies = max_in_window(bodies, window - jitter_us)
+    assert max_bodies <= limit, (
+        f"{label}: {max_bodies} executions within {(window - jitter_us) / 1000:.0f} ms"
+    )
+    max_bodies_strict = max_in_window(bodies, window)
+    assert all(r["retries"] == 0 for r in runs), f"{label}: a deferral consumed a retry"
+    logged = deferrals_logged(nodes)
+    mismatched = [r for r in runs if r["deferrals"] != logged.get(r["id"], 0)]
+    assert not mismatched, f"{label}: header deferral count != logged deferrals: {mismatched[:3]}"
+    lateness_ms = [(r["t"] - r["granted"]) / 1000 for r in runs]
+    drain_us = max(grants) - min(grants)
+    ideal_us = ideal_drain_us(len(ids), limit, window)
+    figures = {
+        "tasks": len(ids),
+        "rate": rate,
+        "max_grants_in_window": max_grants,
+        "max_bodies_in_window": max_bodies_strict,
+        f"max_bodies_in_{(window - jitter_us) // 1000}ms": max_bodies,
+        "drain_s": drain_us / 1e6,
+        "ideal_s": ideal_us / 1e6,
+        "drain_ratio": drain_us / ideal_us if ideal_us else float("nan"),
+        "deferred_tasks": sum(1 for r in runs if r["deferrals"]),
+        "deferrals": sum(r["deferrals"] for r in runs),
+        "max_deferrals_per_task": max(r["deferrals"] for r in runs),
+        "lateness_ms": {p: round(v, 1) for p, v in percentiles(lateness_ms).items()},
+        "nodes": dict(Counter(r["hostname"].split("@")[0].split("-")[0] for r in runs)),
+    }
+    print(f"\n[{label}] " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+    return figures
+
+
+def drain(nodes: Nodes, name: str, count: int, timeout: float = 40.0) -> tuple[list[str], Any]:
+    ids = [nodes.send(name, i).id for i in range(count)]
+    return ids, nodes.wait_for_runs(ids, timeout)
+
+
+# -- three nodes, each form ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["via_base", "via_decorator", "via_rules", "shared_decorated"])
+def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
+    nodes: Nodes, form: str
+) -> None:
+    ids, runs = drain(nodes, form, 60)
+    figures = check_backlog(nodes, ids, runs, RATE, f"redis broker, {form}")
+    assert figures["max_grants_in_window"] == 10  # the budget was used, not just respected
+    assert figures["drain_ratio"] <= DRAIN_FACTOR
+    # the backlog was 6x the limit: most tasks waited, and each deferred task was
+    # deferred once (its reserved slot), not sent round again and again
+    assert figures["deferred_tasks"] >= 40
+    assert figures["max_deferrals_per_task"] <= 2
+    assert figures["deferrals"] <= figures["deferred_tasks"] * 1.1
+    assert len(figures["nodes"]) >= 2, "the backlog should be shared by the nodes"
+
+
+@pytest.mark.rabbitmq
+def test_three_nodes_on_a_rabbitmq_broker_share_the_limit(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    if not rabbitmq_reachable():
+        reason = "RabbitMQ is not reachable at 127.0.0.1:5672"
+        if os.environ.get("CRL_REQUIRE_RABBITMQ") == "1":
+            pytest.fail(f"{reason}, and CRL_REQUIRE_RABBITMQ=1 requires it")
+        pytest.skip(f"{reason} (set CRL_REQUIRE_RABBITMQ=1 to fail instead of skipping)")
+    queue = f"crl-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        nodes = start_nodes(broker_url=RABBITMQ_URL, backend=False, queue=queue, rate=RATE)
+        ids, runs = drain(nodes, "via_decorator", 40)
+        figures = check_backlog(nodes, ids, runs, RATE, "rabbitmq broker, via_decorator")
+        assert figures["drain_ratio"] <= DRAIN_FACTOR
+        assert figures["deferred_tasks"] >= 20
+    finally:
+        with Connection(RABBITMQ_URL, connect_timeout=5) as conn:
+            conn.default_channel.queue_delete(queue)
+
+
+# -- keys, costs, stacked limits -----------------------------------------------------
+
+
+def test_two_tenants_at_the_same_limit_do_not_share_a_budget(nodes: Nodes) -> None:
+    ids = {tenant: [] for tenant in ("acme", "globex")}
+    for i in range(30):
+        for tenant, sent in ids.items():
+            sent.append(nodes.send("per_tenant", tenant, i).id)
+    runs = nodes.wait_for_runs([i for sent in ids.values() for i in sent], 40)
+    for tenant, sent in ids.items():
+        mine = [r for r in runs if r["tenant"] == tenant]
+        figures = check_backlog(nodes, sent, mine, RATE, f"tenant {tenant}")
+        assert figures["max_grants_in_window"] == 10
+    combined = max_in_window([r["granted"] for r in runs], 1_000_000)
+    span = (max(r["granted"] for r in runs) - min(r["granted"] for r in runs)) / 1e6
+    print(f"[two tenants] combined max grants in 1 s = {combined}, drain {span:.2f}s")
+    # one shared budget would allow 10 per window and need (60/10 - 1) = 5 s
+    assert combined > 10
+    assert span < 5.0
+    with nodes.redis() as client:
+        keys = sorted(k.decode() for k in client.scan_iter(f"{nodes.prefix}:{{api}}:*"))
+    assert [k.split(":")[2] for k in keys] == ["acme", "globex"], keys
+
+
+def test_weighted_costs_and_a_stacked_cap_both_hold(nodes: Nodes) -> None:
+    units = [5, 10, 2, 8, 15, 1] * 3
+    ids = [nodes.send("weighted", u, i).id for i, u in enumerate(units)]
+    runs = nodes.wait_for_runs(ids, 40)
+    assert Counter(r["id"] for r in runs) == Counter(ids)
+    grants = [r["granted"] for r in runs]
+    quota = max_in_window(grants, QUOTA.rate.window_us, [r["units"] for r in runs])
+    calls = max_in_window(grants, CAP.rate.window_us)
+    early = [r for r in runs if r["t"] < r["granted"]]
+    drain_s = (max(grants) - min(grants)) / 1e6
+    # the tighter of the two limits sets the ideal: 123 units at 40 per 2 s, 18 calls at 3/s
+    print(
+        f"\n[weighted + stacked] {len(runs)} calls, {sum(units)} units; max units in 2 s "
+        f"= {quota} (limit 40), max calls in 1 s = {calls} (limit 3), drain {drain_s:.2f}s, "
+        f"deferred {sum(1 for r in runs if r['deferrals'])}"
+    )
+    assert quota <= QUOTA.rate.limit
+    assert calls <= CAP.rate.limit
+    assert not early
+    assert all(r["retries"] == 0 for r in runs)
+    # the backlog pressed on both: the cap was reached, and the quota nearly so
+    assert calls == CAP.rate.limit
+    assert quota >= QUOTA.rate.limit * 3 // 4
+
+
+# -- canvas and results ----------------------------------------------------------------
+
+
+def test_chains_groups_and_chords_with_deferred_members_complete(nodes: Nodes) -> None:
+    add = nodes.signature
+    # second arguments tell the members apart: 1000 chain, x group, 2000 chord header
+    a_chain = chain(add("add", 0, 1000), *(add("add", 1000) for _ in range(5))).apply_async()
+    a_group = group(add("add", i, i) for i in range(10)).apply_async()
+    a_chord = chord([add("add", i, 2000) for i in range(8)], add("total")).apply_async()
+    assert a_chain.get(timeout=60) == 6000
+    assert a_group.get(timeout=60) == [2 * i for i in range(10)]
+    assert a_chord.get(timeout=60) == sum(i + 2000 for i in range(8))
+    runs = nodes.runs()
+    grants = [r["granted"] for r in runs]
+    members = {
+        "chain": [r for r in runs if r.get("y") == 1000],
+        "group": [r for r in runs if "y" in r and r["x"] == r["y"] != 1000],
+        "chord header": [r for r in runs if r.get("y") == 2000],
+        "chord body": [r for r in runs if r["task"].endswith(".total")],
+    }
+    deferred = {part: sum(1 for r in rs if r["deferrals"]) for part, rs in members.items()}
+    most = max_in_window(grants, MATH.rate.window_us)
+    print(
+        f"\n[canvas] {len(runs)} executions at {MATH.rate}; deferred per part {deferred}; "
+        f"max grants in 1 s = {most}"
+    )
+    assert {part: len(rs) for part, rs in members.items()} == {
+        "chain": 6,
+        "group": 10,
+        "chord header": 8,
+        "chord body": 1,
+    }
+    assert len(runs) == 25 and len({r["id"] for r in runs}) == 25
+    assert all(deferred[part] for part in ("chain", "group", "chord header")), deferred
+    assert most <= MATH.rate.limit
+    assert all(r["t"] >= r["granted"] for r in runs)
+
+
+def test_a_deferred_task_is_retry_while_deferred_and_success_after(nodes: Nodes) -> None:
+    results = [nodes.send("add", i, 100) for i in range(12)]
+    last = results[-1]
+    seen: list[str] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = last.state
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state == "SUCCESS":
+            break
+        time.sleep(0.02)
+    print(f"\n[states] last of 12 at 4/s went through {seen}")
+    assert "RETRY" in seen
+    assert seen[-1] == "SUCCESS"
+    assert seen.index("RETRY") < seen.index("SUCCESS")
+    assert [r.get(timeout=30) for r in results] == [i + 100 for i in range(12)]
+    runs = {r["id"]: r for r in nodes.runs()}
+    assert runs[last.id]["deferrals"] >= 1
+    assert runs[last.id]["retries"] == 0
+
+
+# -- failures that must end the task ---------------------------------------------------
+
+
+def test_a_key_template_naming_a_missing_argument_fails_the_task(nodes: Nodes) -> None:
+    result = nodes.send("missing_argument", 1)
+    result.get(timeout=20, propagate=False)
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "InvalidLimit"
+    assert "'missing'" in str(result.result)
+    assert result.id not in deferrals_logged(nodes)
+    assert not [r for r in nodes.runs() if r["id"] == result.id]
+
+
+def test_a_call_option_header_overrides_the_settings_in_the_worker(nodes: Nodes) -> None:
+    # fill this second's budget, then send one more that may not be deferred at all
+    _ids, runs = drain(nodes, "via_base", 10, timeout=20)
+    assert len(runs) == 10
+    result = nodes.send("via_base", 99, headers={"ratelimit_max_deferrals": 0})
+    result.get(timeout=20, propagate=False)
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "RateLimitExceeded"
+    assert "ratelimit_max_deferrals=0" in str(result.result)
+    assert result.id not in {r["id"] for r in nodes.runs()}
+
+
+# -- no retry storms -----------------------------------------------------------------
+
+
+BACKLOG_RATE = "5/500ms"
+BACKLOG = 100  # 20x the limit
+
+
+@pytest.mark.timeout(240)
+def test_reservations_cost_at_most_two_limiter_calls_per_task(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    figures = {}
+    for reserve in (True, False):
+        nodes = start_nodes(
+            rate=BACKLOG_RATE, reserve=reserve, separate_limiter=True, backend=False
+        )
+        with nodes.redis() as client:
+            client.config_resetstat()
+            ids, runs = drain(nodes, "via_base", BACKLOG, timeout=90)
+            calls = evalsha_calls(client)
+        label = f"reservations {'on' if reserve else 'off'}"
+        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label, jitter_us=150_000)
+        figures[reserve]["calls_per_task"] = calls / len(runs)
+        print(
+            f"[{label}] {BACKLOG} tasks at {BACKLOG_RATE}: limiter calls {calls} = "
+            f"{calls / len(runs):.2f} per executed task; drain "
+            f"{figures[reserve]['drain_s']:.2f}s vs ideal {figures[reserve]['ideal_s']:.2f}s "
+            f"({figures[reserve]['drain_ratio']:.3f}x)"
+        )
+    on, off = figures[True], figures[False]
+    assert on["calls_per_task"] <= 2.0
+    assert on["drain_ratio"] <= DRAIN_FACTOR
+    assert on["max_deferrals_per_task"] <= 2
+    # without reservations the backlog competes again each time a slot frees
+    assert off["calls_per_task"] > on["calls_per_task"]
