@@ -28,6 +28,7 @@ from kombu import Connection
 
 from celery_ratelimit import Rate
 from tests.apps.nodes import CAP, MATH, QUOTA
+from tests.log_reader import entries as log_entries
 from tests.nodes import (
     RABBITMQ_URL,
     Nodes,
@@ -347,6 +348,12 @@ def test_a_call_option_header_overrides_the_settings_in_the_worker(nodes: Nodes)
     assert type(result.result).__name__ == "RateLimitExceeded"
     assert "ratelimit_max_deferrals=0" in str(result.result)
     assert result.id not in {r["id"] for r in nodes.runs()}
+    # the slot it had reserved before giving up was released: the log holds the ten
+    # grants and nothing after them
+    key = f"{nodes.prefix}:{{shared}}:log:1000000"
+    with nodes.redis() as client:
+        later = [t for t, _ in log_entries(client, key) if t >= min(r["granted"] for r in runs)]
+    assert len(later) == 10, later
 
 
 # -- no retry storms -----------------------------------------------------------------

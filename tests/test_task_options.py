@@ -1,0 +1,241 @@
+"""Option plumbing, without a worker: settings resolution, validation, rules matching.
+
+These tests only look at how options reach a task (Celery apps, task classes and a
+request ``Context``); whether the limit holds is proven against real worker nodes in
+``test_celery_nodes.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app.task import Context
+
+from celery_ratelimit import (
+    InvalidLimit,
+    InvalidRate,
+    Limit,
+    RateLimitedTask,
+    install,
+    ratelimit,
+)
+from celery_ratelimit._install import Rules
+from celery_ratelimit._settings import DEFAULTS, setting
+from celery_ratelimit._task import plan_for
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("plumbing", broker="memory://", set_as_current=False)
+    app.conf.ratelimit_redis_url = "redis://127.0.0.1:1/0"  # nothing listens: no Redis used
+    return app
+
+
+# (setting, app.conf value, task option value, call option value)
+LAYERS = [
+    ("ratelimit_max_deferrals", 5, 3, 1),
+    ("ratelimit_max_countdown", 30.0, 10.0, 2.5),
+    ("ratelimit_reserve", False, True, False),
+    ("ratelimit_on_redis_error", "allow", "raise", "defer"),
+]
+
+
+@pytest.mark.parametrize(("name", "conf", "own", "call"), LAYERS)
+def test_each_setting_resolves_call_then_task_then_app_conf_then_default(
+    app: Celery, name: str, conf: Any, own: Any, call: Any
+) -> None:
+    @app.task(base=RateLimitedTask, ratelimit="5/s", shared=False)
+    def plain() -> None: ...
+
+    @app.task(base=RateLimitedTask, ratelimit="5/s", shared=False, **{name: own})
+    def with_option() -> None: ...
+
+    @ratelimit("5/s", **{name.removeprefix("ratelimit_"): own})
+    @app.task(shared=False)
+    def decorated() -> None: ...
+
+    app.finalize()
+    assert setting(name, app, plain, Context()) == DEFAULTS[name]
+    app.conf[name] = conf
+    assert setting(name, app, plain, Context()) == conf
+    for task in (with_option, decorated):
+        assert setting(name, app, task, Context()) == own
+        assert setting(name, app, task, Context({name: call})) == call
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("ratelimit_max_countdown", -1),
+        ("ratelimit_max_countdown", 0),
+        ("ratelimit_max_countdown", "10"),
+        ("ratelimit_max_deferrals", -1),
+        ("ratelimit_max_deferrals", 1.5),
+        ("ratelimit_max_deferrals", True),
+        ("ratelimit_on_redis_error", "ignore"),
+        ("ratelimit_reserve", "yes"),
+        ("ratelimit_key_prefix", ""),
+        ("ratelimit_rules", ["tasks.*"]),
+    ],
+)
+def test_a_bad_setting_is_rejected_naming_the_setting_and_the_value(
+    app: Celery, name: str, bad: Any
+) -> None:
+    app.conf[name] = bad
+    with pytest.raises(InvalidLimit) as info:
+        install(app)
+    assert name in str(info.value)
+    assert repr(bad) in str(info.value)
+    # the same value given as a call option (a header) is rejected the same way
+    del app.conf[name]
+    with pytest.raises(InvalidLimit, match=name):
+        setting(name, app, None, Context({name: bad}))
+
+
+def test_an_unknown_ratelimit_setting_is_rejected_by_name(app: Celery) -> None:
+    app.conf.ratelimit_max_deferal = 3
+    with pytest.raises(InvalidLimit, match="ratelimit_max_deferal"):
+        install(app)
+
+
+def test_the_decorator_validates_when_the_module_is_imported(app: Celery) -> None:
+    with pytest.raises(InvalidRate, match="10/x"):
+        ratelimit("10/x")
+    with pytest.raises(InvalidLimit, match="-2"):
+        ratelimit("10/s", max_deferrals=-2)
+    with pytest.raises(TypeError, match="max_deferal"):
+        ratelimit("10/s", max_deferal=2)
+    with pytest.raises(TypeError, match="key"):
+        ratelimit(Limit("10/s"), key="x")
+    with pytest.raises(InvalidLimit, match="cost 20"):
+        ratelimit("10/s", cost=20)
+
+    def not_a_task() -> None: ...
+
+    with pytest.raises(TypeError, match=r"above @app\.task"):
+        ratelimit("10/s")(not_a_task)
+
+
+def test_the_base_class_option_is_validated_when_the_task_is_built(app: Celery) -> None:
+    app.finalize()
+    with pytest.raises(InvalidRate, match="ten per second"):
+
+        @app.task(base=RateLimitedTask, ratelimit="ten per second", shared=False)
+        def broken() -> None: ...
+
+
+def test_rules_prefer_an_exact_name_then_the_first_matching_glob() -> None:
+    rules = Rules(
+        {
+            "proj.*": Limit("1/s"),
+            "proj.fetch_*": Limit("2/s"),
+            "proj.fetch_one": Limit("3/s"),
+        }
+    )
+    assert rules.match("proj.fetch_one") == (Limit("3/s"),)
+    assert rules.match("proj.fetch_two") == (Limit("1/s"),)  # mapping order among globs
+    assert rules.match("proj.other") == (Limit("1/s"),)
+    assert rules.match("other.task") is None
+    assert Rules({"*": "1/s"}).match("celery.chord_unlock") is None
+
+
+def test_a_bad_rule_is_rejected_naming_the_pattern() -> None:
+    with pytest.raises(InvalidRate, match="10/x"):
+        Rules({"proj.*": "10/x"})
+    with pytest.raises(TypeError, match=r"ratelimit_rules\['proj.\*'\]"):
+        Rules({"proj.*": 10})
+
+
+def test_install_limits_plain_tasks_declared_before_and_after_it(app: Celery) -> None:
+    @app.task(name="proj.early", shared=False)
+    def early() -> None: ...
+
+    @app.task(name="proj.own", base=RateLimitedTask, ratelimit="7/s", shared=False)
+    def own() -> None: ...
+
+    app.conf.ratelimit_rules = {"proj.*": "1/s", "proj.exact": Limit("2/s", key="x")}
+    install(app)
+
+    @app.task(name="proj.exact", shared=False)
+    def exact() -> None: ...
+
+    app.finalize()
+
+    @app.task(name="proj.late", shared=False)
+    def late() -> None: ...
+
+    @app.task(name="other.free", shared=False)
+    def free() -> None: ...
+
+    def limits(task: Any) -> tuple[Limit, ...] | None:
+        plan = plan_for(app.tasks[task.name])
+        return plan.limits if plan else None
+
+    assert limits(early) == (Limit("1/s"),)
+    assert limits(late) == (Limit("1/s"),)
+    assert limits(exact) == (Limit("2/s", key="x"),)
+    assert limits(own) == (Limit("7/s"),)  # the task's own limit wins over the rules
+    assert limits(free) is None
+
+
+def test_builtin_celery_tasks_are_never_limited(app: Celery) -> None:
+    app.conf.ratelimit_rules = {"*": "1/s"}
+    install(app)
+
+    class Custom(RateLimitedTask):  # type: ignore[misc]
+        name = "celery.custom"
+        ratelimit = "1/s"
+
+    app.register_task(Custom())
+    app.finalize()
+    builtins = [name for name in app.tasks if name.startswith("celery.")]
+    assert "celery.chord_unlock" in builtins and "celery.custom" in builtins
+    assert all(plan_for(app.tasks[name]) is None for name in builtins)
+
+
+def test_key_templates_bind_positional_and_keyword_arguments(app: Celery) -> None:
+    @app.task(
+        base=RateLimitedTask,
+        shared=False,
+        ratelimit=[
+            Limit("100/m", key="yt:{api_key}:{region}", cost=lambda api_key, **kw: 2),
+            Limit("5/s", key=lambda api_key, **kw: f"yt:{api_key}:burst"),
+        ],
+    )
+    def fetch(api_key: str, region: str = "eu") -> None: ...
+
+    app.finalize()
+    plan = plan_for(fetch)
+    assert plan is not None
+    assert plan.resolve(("k1",), {}) == (["yt:k1:eu", "yt:k1:burst"], [2, 1])
+    assert plan.resolve((), {"api_key": "k1", "region": "us"})[0][0] == "yt:k1:us"
+    # a value cannot reach another key or move the hash tag
+    assert plan.resolve(("a:b}{c",), {})[0][0] == "yt:a%3Ab%7D%7Bc:eu"
+
+
+def test_a_key_template_naming_a_missing_argument_raises_a_clear_error(app: Celery) -> None:
+    @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{tenant}"), shared=False)
+    def job(i: int) -> None: ...
+
+    app.finalize()
+    plan = plan_for(job)
+    assert plan is not None
+    with pytest.raises(InvalidLimit, match="'tenant'"):
+        plan.resolve((1,), {})
+
+
+def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
+    app.conf.task_always_eager = True
+    calls: list[int] = []
+
+    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False)
+    def job(i: int) -> int:
+        calls.append(i)
+        return i
+
+    app.finalize()
+    # the limiter's Redis URL points at a closed port: eager mode never calls it
+    assert [job.delay(i).get() for i in range(3)] == [0, 1, 2]
+    assert calls == [0, 1, 2]
