@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from ._exceptions import InvalidLimit
 from ._rate import Rate
@@ -147,7 +147,7 @@ class Limit:
         return f"{key or 'task'}@{self.rate}"
 
 
-LimitSpec = Union[str, Rate, Limit, Iterable[Union[str, Rate, Limit]]]
+LimitSpec = str | Rate | Limit | Iterable[str | Rate | Limit]
 
 
 def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:

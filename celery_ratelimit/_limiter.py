@@ -26,6 +26,8 @@ DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
+#: How many (key, limits) pairs a limiter remembers the Redis keys of.
+KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
 
@@ -56,6 +58,9 @@ class Limiter:
             "counter": client.register_script(source("sliding_counter")),
         }
         self._cluster = hasattr(client, "get_nodes")
+        # (key, limits) -> Redis keys: escaping and formatting are most of the Python
+        # cost of a decision, and a process decides for few distinct keys
+        self._keys: dict[tuple[str, tuple[Limit, ...]], list[str]] = {}
 
     @classmethod
     def from_url(
@@ -111,9 +116,10 @@ class Limiter:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
             LimiterUnavailable: Redis could not be reached or failed.
         """
+        normalized = to_limits(limits)
         return self.decide(
-            self.keys_for(key, limits),
-            to_limits(limits),
+            self._keys_of(key, normalized),
+            normalized,
             cost,
             RESERVE if reserve else ACQUIRE,
             horizon=horizon,
@@ -121,7 +127,8 @@ class Limiter:
 
     def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
         """What :meth:`acquire` would answer now, without counting anything."""
-        return self.decide(self.keys_for(key, limits), to_limits(limits), cost, PEEK)
+        normalized = to_limits(limits)
+        return self.decide(self._keys_of(key, normalized), normalized, cost, PEEK)
 
     def confirm(
         self,
@@ -157,6 +164,20 @@ class Limiter:
             return sum(int(self.client.delete(k)) for k in self.keys_for(key, limits))
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
+
+    def _keys_of(self, key: str, limits: tuple[Limit, ...]) -> list[str]:
+        """:meth:`keys_for`, remembered for the last few thousand (key, limits)."""
+        try:
+            return self._keys[key, limits]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable callable key or cost
+            return self.keys_for(key, limits)
+        keys = self.keys_for(key, limits)
+        if len(self._keys) >= KEY_CACHE_SIZE:
+            self._keys.clear()
+        self._keys[key, limits] = keys
+        return keys
 
     # -- shared by the Celery layer -------------------------------------------------
 

@@ -21,9 +21,7 @@ _UNITS_US = {
     "d": 86_400_000_000,
     "day": 86_400_000_000,
 }
-_RATE_RE = re.compile(
-    r"^\s*(?P<limit>\d+)\s*/\s*(?P<amount>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$"
-)
+_RATE_RE = re.compile(r"^\s*(?P<limit>\d+)\s*/\s*(?P<amount>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$")
 #: Largest limit accepted; keeps every running total far below the log's entry scores.
 MAX_LIMIT = 10**12
 #: Shortest and longest windows accepted.

@@ -3,9 +3,15 @@
 -- KEYS[i]   one sorted set per limit. An entry is one granted (or reserved) call:
 --           member = the call's 8-byte token, followed by "." .. weight when the
 --           weight is not 1; score = the entry's instant in microseconds on this
---           server's clock (later than now for a reservation). The member "" holds
---           the key's running total weight as its score, which stays below
---           ENTRY_FLOOR so that range scans over entries never see it.
+--           server's clock (later than now for a reservation). Meta members score
+--           below ENTRY_FLOOR, so range scans over entries never see them; one
+--           ZMSCORE reads them all and the entry's ZADD writes them:
+--             ""  the key's running total weight
+--             "+" minus the newest entry's instant
+--             "=" the weight every entry has, or 0 once weights are mixed: while it
+--                 is uniform, pruning needs only ZREMRANGEBYSCORE's count
+--             "~" minus the instant the key's PEXPIRE runs out; PEXPIRE is sent
+--                 again only when a new entry outlives it
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
 -- ARGV[2]   mode: 0 acquire now or deny
 --                 1 acquire now, else reserve the earliest instant that fits
@@ -55,8 +61,22 @@ local function num(x)
   return string.format('%.0f', x)
 end
 
--- Prune expired entries and read each key's total weight.
-local limits, windows, costs, members, totals = {}, {}, {}, {}, {}
+local function put(list, score, member)
+  list[#list + 1] = score
+  list[#list + 1] = member
+end
+
+-- The newest entry of key i, read from the entries themselves (a key written before
+-- "+" existed, or after a release removed the newest entry); 0 if there is none.
+local function scan_newest(i)
+  local top = redis.call('ZREVRANGEBYSCORE', KEYS[i], '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
+  return top[2] and tonumber(top[2]) or 0
+end
+
+-- Read each key's meta members; prune expired entries (not when peeking).
+-- dirty[i]: the total stored in Redis is stale and must be written back.
+local limits, windows, costs, members, totals, newest, units, expiry, dirty =
+  {}, {}, {}, {}, {}, {}, {}, {}, {}
 for i = 1, n do
   local key = KEYS[i]
   local window = tonumber(ARGV[2 + 3 * i])
@@ -65,31 +85,41 @@ for i = 1, n do
   local cost = tonumber(ARGV[3 + 3 * i])
   costs[i] = cost
   if cost == 1 then members[i] = token else members[i] = token .. '.' .. cost end
-  local s = redis.call('ZSCORE', key, '')
-  local total = s and tonumber(s) or 0
-  local cutoff = num(now - window)
-  local old = redis.call('ZRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
-  if #old > 0 then
-    for j = 1, #old do
-      total = total - weight(old[j])
+  local meta = redis.call('ZMSCORE', key, '', '+', '=', '~')
+  local total = meta[1] and tonumber(meta[1]) or 0
+  local last, unit = 0, meta[3] and tonumber(meta[3]) or 0
+  expiry[i] = meta[4] and -tonumber(meta[4]) or 0
+  if total > 0 then
+    last = meta[2] and -tonumber(meta[2]) or scan_newest(i)
+    local cutoff = now - window
+    if last <= cutoff then
+      -- the whole log has left the window
+      if mode ~= 2 then redis.call('DEL', key) end
+      total, last, expiry[i] = 0, 0, 0
+    elseif unit > 0 then
+      local gone
+      if mode ~= 2 then
+        gone = redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, num(cutoff))
+        if gone > 0 then dirty[i] = true end
+      else
+        gone = redis.call('ZCOUNT', key, ENTRY_FLOOR, num(cutoff))
+      end
+      total = total - gone * unit
+    else
+      local old = redis.call('ZRANGEBYSCORE', key, ENTRY_FLOOR, num(cutoff))
+      if #old > 0 then
+        for j = 1, #old do
+          total = total - weight(old[j])
+        end
+        if mode ~= 2 then
+          redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, num(cutoff))
+          dirty[i] = true
+        end
+      end
     end
     if total < 0 then total = 0 end
-    if mode ~= 2 then
-      redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
-      redis.call('ZADD', key, total, '')
-    end
   end
-  totals[i] = total
-end
-
-local lasts = {}
-local function newest(i)
-  if lasts[i] then return lasts[i] end
-  local top = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
-  local score = top[2] and tonumber(top[2]) or 0
-  if score < ENTRY_FLOOR then score = 0 end
-  lasts[i] = score
-  return score
+  totals[i], newest[i], units[i] = total, last, unit
 end
 
 local function summary(status, at, retry_after, denied_by)
@@ -97,14 +127,20 @@ local function summary(status, at, retry_after, denied_by)
   for i = 1, n do
     local free = limits[i] - totals[i]
     if remaining == nil or free < remaining then remaining = free end
-    local last = newest(i)
-    if last > 0 then
-      local r = last + windows[i] - now
+    if totals[i] > 0 then
+      local r = newest[i] + windows[i] - now
       if r > reset then reset = r end
     end
   end
   if remaining < 0 then remaining = 0 end
   return {status, remaining, retry_after, reset, denied_by, at}
+end
+
+-- Write back the totals that pruning changed (a denial writes no entry).
+local function flush()
+  for i = 1, n do
+    if dirty[i] then redis.call('ZADD', KEYS[i], totals[i], '') end
+  end
 end
 
 -- Remove this call's entry from every key (used by release and stale reservations).
@@ -115,7 +151,9 @@ local function remove_entry(only_future)
       redis.call('ZREM', KEYS[i], members[i])
       totals[i] = totals[i] - costs[i]
       if totals[i] < 0 then totals[i] = 0 end
-      redis.call('ZADD', KEYS[i], totals[i], '')
+      if tonumber(s) >= newest[i] then newest[i] = scan_newest(i) end
+      redis.call('ZADD', KEYS[i], totals[i], '', -newest[i], '+')
+      dirty[i] = nil
     end
   end
 end
@@ -132,9 +170,11 @@ if mode == 3 or mode == 4 then
   end
   if mode == 4 then
     remove_entry(true)
+    flush()
     return summary(4, now, 0, 0)
   end
   if held then
+    flush()
     if at > now then
       return summary(3, at, at - now, 0)
     end
@@ -188,6 +228,7 @@ end
 local status = 1
 if denied_by ~= 0 then
   if mode ~= 1 or at - now > horizon then
+    flush()
     return summary(0, now, at - now, denied_by)
   end
   status = 2
@@ -195,12 +236,25 @@ end
 
 for i = 1, n do
   local key = KEYS[i]
-  local last = newest(i)
-  totals[i] = totals[i] + costs[i]
-  redis.call('ZADD', key, at, members[i], totals[i], '')
-  if at > last then
-    redis.call('PEXPIRE', key, math.ceil((at + windows[i] - now) / 1000) + TTL_MARGIN_MS)
-    lasts[i] = at
+  local cost = costs[i]
+  local write = {at, members[i], totals[i] + cost, ''}
+  if totals[i] == 0 then
+    put(write, cost, '=')
+  elseif units[i] ~= 0 and units[i] ~= cost then
+    put(write, 0, '=')
+  end
+  totals[i] = totals[i] + cost
+  if at > newest[i] then
+    newest[i] = at
+    put(write, -at, '+')
+  end
+  if at + windows[i] > expiry[i] then
+    local ttl = math.ceil((at + windows[i] - now) / 1000) + TTL_MARGIN_MS
+    put(write, -(now + ttl * 1000), '~')
+    redis.call('ZADD', key, unpack(write))
+    redis.call('PEXPIRE', key, ttl)
+  else
+    redis.call('ZADD', key, unpack(write))
   end
 end
 return summary(status, at, at - now, denied_by)
