@@ -1,0 +1,77 @@
+"""The Celery app of the end-to-end benchmarks (``celery -A benchmarks.bench_app worker``).
+
+Configured from the environment by benchmarks/bench_celery.py: CRL_BENCH_BROKER,
+CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours only),
+CRL_BENCH_RATE. Each task appends ``"<started_us> <granted_us> <deferrals>"`` to
+``bench:runs:<task>`` on the limiter's Redis.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_ratelimit import Limit, RateLimitedTask
+
+BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
+REDIS = os.environ.get("CRL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+RATE = os.environ.get("CRL_BENCH_RATE", "20/s")
+
+app = Celery("bench", broker=BROKER)
+app.conf.update(
+    ratelimit_redis_url=REDIS,
+    ratelimit_key_prefix="bench",
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+_client: redis.Redis | None = None
+
+
+def record(task: Any) -> None:
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(REDIS)
+    seconds, micros = _client.time()
+    now = seconds * 1_000_000 + micros
+    decision = getattr(task.request, "ratelimit_decision", None)
+    granted = int(decision.at * 1_000_000) if decision else now
+    deferrals = getattr(task.request, "ratelimit_deferrals", 0) or 0
+    _client.rpush(f"bench:runs:{task.name.rsplit('.', 1)[-1]}", f"{now} {granted} {deferrals}")
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="reserved"), bind=True)
+def reserved(self: Any) -> None:
+    """Ours, deferred tasks reserve their slot (the default)."""
+    record(self)
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Limit(RATE, key="unreserved"),
+    ratelimit_reserve=False,
+    bind=True,
+)
+def unreserved(self: Any) -> None:
+    """Ours, plain retry-after deferral."""
+    record(self)
+
+
+@app.task(rate_limit=RATE, bind=True)
+def celery_rate_limit(self: Any) -> None:
+    """The anchor: Celery's own per-node token bucket."""
+    record(self)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("1000000/s", key="loose"), bind=True)
+def loose(self: Any) -> None:
+    """Ours with a limit far above the load: the library's overhead only."""
+    record(self)
+
+
+@app.task(bind=True)
+def unlimited(self: Any) -> None:
+    """The same task without the library."""
+    record(self)

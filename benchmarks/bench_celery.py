@@ -1,0 +1,176 @@
+"""End to end: three ``celery worker`` nodes (prefork, concurrency 2) sharing one limit.
+
+``python -m benchmarks.bench_celery [--broker redis|rabbitmq]``. Every figure is a ratio
+measured in this run:
+
+5. exactness: most executions in any window / limit (grants and task starts); anchor:
+   Celery's own ``rate_limit`` on the same nodes (one bucket per node).
+6. drain time of a backlog of 20x the limit / ideal drain time, reservations on vs off.
+7. limiter calls and broker publishes per executed task, reservations on vs off.
+8. overhead when the limit never binds: tasks per second with a limit far above the
+   load / tasks per second of the same task without the library (interleaved rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from celery_ratelimit._demo import max_in_window
+from celery_ratelimit._embedded import RedisServer, WorkerNodes
+from celery_ratelimit._rate import Rate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def rabbitmq_reachable() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+class Bench:
+    def __init__(self, broker: str, rate: Rate, backlog: int, overhead_tasks: int) -> None:
+        self.rate = rate
+        self.backlog = backlog
+        self.overhead_tasks = overhead_tasks
+        self.limiter_redis = RedisServer()
+        self.broker_redis: RedisServer | None = None
+        if broker == "redis":
+            self.broker_redis = RedisServer()
+            self.broker_url = self.broker_redis.url
+        else:
+            self.broker_url = RABBITMQ_URL
+        self.queue = f"bench-{uuid.uuid4().hex[:8]}"
+        from benchmarks import bench_app
+
+        self.tasks = bench_app
+        bench_app.app.conf.broker_url = self.broker_url
+        bench_app.app.conf.task_default_queue = self.queue
+        self.client = self.limiter_redis.client(decode_responses=True)
+        self.nodes = WorkerNodes(
+            "benchmarks.bench_app",
+            3,
+            {
+                "CRL_BENCH_BROKER": self.broker_url,
+                "CRL_BENCH_REDIS": self.limiter_redis.url,
+                "CRL_BENCH_RATE": str(rate),
+            },
+            loglevel="WARNING",
+            extra_args=("-Q", self.queue),
+        )
+
+    def close(self) -> None:
+        self.nodes.stop()
+        if self.broker_url == RABBITMQ_URL:
+            with self.tasks.app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(self.queue)
+        for server in (self.limiter_redis, self.broker_redis):
+            if server is not None:
+                server.close()
+
+    def _calls(self, client: Any, command: str) -> int:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
+
+    def drain(self, name: str, count: int, timeout: float) -> dict[str, Any]:
+        """Send ``count`` tasks of ``name`` at once and wait until all have run."""
+        task = getattr(self.tasks, name)
+        runs_key = f"bench:runs:{name}"
+        self.client.delete(runs_key)
+        broker = self.broker_redis.client() if self.broker_redis else None
+        self.client.config_resetstat()
+        if broker is not None:
+            broker.config_resetstat()
+        for _ in range(count):
+            task.delay()
+        deadline = time.monotonic() + timeout
+        while self.client.llen(runs_key) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # let a duplicate, if any, show up
+        rows = [tuple(int(x) for x in raw.split()) for raw in self.client.lrange(runs_key, 0, -1)]
+        starts = [r[0] for r in rows]
+        grants = [r[1] for r in rows]
+        result: dict[str, Any] = {
+            "task": name,
+            "sent": count,
+            "executed": len(rows),
+            "drain_s": (max(starts) - min(starts)) / 1e6 if rows else None,
+            "max_grants_per_window": max_in_window(grants, self.rate.window_us),
+            "max_starts_per_window": max_in_window(starts, self.rate.window_us),
+            "limiter_calls": self._calls(self.client, "evalsha"),
+            "deferrals": sum(r[2] for r in rows),
+            "publishes_from_records": count + sum(r[2] for r in rows),
+        }
+        if broker is not None:
+            result["broker_lpush"] = self._calls(broker, "lpush")
+            broker.close()
+        return result
+
+    def run(self) -> dict[str, Any]:
+        self.nodes.start(self.tasks.app)
+        limit, window = self.rate.limit, self.rate.window
+        ideal = (math.ceil(self.backlog / limit) - 1) * window
+        out: dict[str, Any] = {"rate": str(self.rate), "backlog": self.backlog, "ideal_s": ideal}
+        for name in ("reserved", "unreserved"):
+            r = self.drain(name, self.backlog, ideal * 4 + 30)
+            r["drain_over_ideal"] = r["drain_s"] / ideal if r["drain_s"] else None
+            r["calls_per_task"] = r["limiter_calls"] / max(r["executed"], 1)
+            r["publishes_per_task"] = (r.get("broker_lpush") or r["publishes_from_records"]) / max(
+                r["executed"], 1
+            )
+            r["grants_over_limit"] = r["max_grants_per_window"] / limit
+            r["starts_over_limit"] = r["max_starts_per_window"] / limit
+            out[name] = r
+        anchor = self.drain("celery_rate_limit", self.backlog, ideal * 2 + 30)
+        anchor["starts_over_limit"] = anchor["max_starts_per_window"] / limit
+        out["celery_rate_limit"] = anchor
+        throughput: dict[str, list[float]] = {"loose": [], "unlimited": []}
+        for _ in range(3):
+            for name in ("unlimited", "loose"):
+                r = self.drain(name, self.overhead_tasks, 120)
+                throughput[name].append(r["executed"] / r["drain_s"] if r["drain_s"] else 0.0)
+        out["overhead"] = {
+            "tasks_per_s": {k: statistics.median(v) for k, v in throughput.items()},
+            "rounds": throughput,
+            "ratio": statistics.median(throughput["loose"])
+            / statistics.median(throughput["unlimited"]),
+        }
+        return out
+
+
+def run(broker: str = "redis", rate: str = "20/s", backlog: int = 400, overhead: int = 1000) -> Any:
+    bench = Bench(broker, Rate.parse(rate), backlog, overhead)
+    try:
+        return bench.run()
+    finally:
+        bench.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis")
+    parser.add_argument("--rate", default="20/s")
+    parser.add_argument("--backlog", type=int, default=400)
+    parser.add_argument("--overhead-tasks", type=int, default=1000)
+    args = parser.parse_args()
+    if args.broker == "rabbitmq" and not rabbitmq_reachable():
+        raise SystemExit("no RabbitMQ on 127.0.0.1:5672")
+    result = run(args.broker, args.rate, args.backlog, args.overhead_tasks)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"celery_{args.broker}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
