@@ -17,6 +17,7 @@ between can duplicate a message, never lose one.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import logging
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 from celery import Task, signals
 from celery.exceptions import Reject, Retry
+from celery.utils.time import maybe_iso8601
 
 from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitExceeded
@@ -282,6 +284,10 @@ def _defer(
             f"{task.name}[{request.id}] was deferred {deferrals} times "
             f"(ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
         )
+    if token and _expires_before(task, request, countdown):
+        # Celery will end the copy as expired when it arrives; its slot would be wasted.
+        give_back()
+        token = None
     headers = {
         name: value
         for name, value in vars(request).items()
@@ -330,6 +336,23 @@ def _defer(
         metrics.deferral(plan.limits, denied_by, new_slot)
     send_deferral_event(task, ",".join(keys), countdown, deferrals + 1, bool(token))
     raise Retry(reason, when=countdown, sig=signature)
+
+
+def _expires_before(task: Any, request: Any, countdown: float) -> bool:
+    """True if the task's ``expires`` passes before ``countdown`` seconds from now."""
+    expires = request.expires
+    if not expires:
+        return False
+    try:
+        when = maybe_iso8601(expires) if isinstance(expires, str) else expires
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        now = task.app.now()
+        if now.tzinfo is None:
+            now = now.replace(tzinfo=datetime.timezone.utc)
+        return bool(when <= now + datetime.timedelta(seconds=countdown))
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 class RateLimitedTask(Task):  # type: ignore[misc]
