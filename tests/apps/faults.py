@@ -1,0 +1,112 @@
+"""The Celery app the fault tests start (``celery -A tests.apps.faults worker``).
+
+Configured from the environment by the test that starts the nodes:
+
+- ``CRL_BROKER``: the broker; ``CRL_REDIS``: the limiter's Redis URL (may be a
+  ``redis+sentinel://`` URL, may be down); ``CRL_RUNS``: a plain Redis URL where every
+  execution is recorded (never the limiter's, which the tests break);
+- ``CRL_PREFIX``, ``CRL_RATE``; ``CRL_POLICY`` (``ratelimit_on_redis_error``),
+  ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``;
+- ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
+  ``visibility_timeout``.
+
+Tasks are ``acks_late`` with ``reject_on_worker_lost``: a killed worker's task is
+delivered again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_ratelimit import Limit, RateLimitedTask
+
+BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
+REDIS = os.environ.get("CRL_REDIS", BROKER)
+RUNS = os.environ.get("CRL_RUNS", BROKER)
+PREFIX = os.environ.get("CRL_PREFIX", "crl")
+RATE = os.environ.get("CRL_RATE", "10/s")
+SLEEP = float(os.environ.get("CRL_SLEEP", "0"))
+
+app = Celery("faults", broker=BROKER)
+app.conf.update(
+    ratelimit_redis_url=REDIS,
+    ratelimit_key_prefix=PREFIX,
+    ratelimit_on_redis_error=os.environ.get("CRL_POLICY", "defer"),
+    ratelimit_warning_interval=float(os.environ.get("CRL_WARN_INTERVAL", "60")),
+    ratelimit_redis_error_countdown=float(os.environ.get("CRL_ERROR_COUNTDOWN", "1")),
+    ratelimit_max_countdown=float(os.environ.get("CRL_MAX_COUNTDOWN", "600")),
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("CRL_VISIBILITY", "3600"))
+    },
+    worker_prefetch_multiplier=1,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+)
+_client: redis.Redis | None = None
+
+
+def record(task: Any, **extra: Any) -> None:
+    """Append this execution to ``{prefix}:runs`` on the runs Redis (never the limiter's)."""
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(RUNS)
+    seconds, micros = _client.time()
+    decision = getattr(task.request, "ratelimit_decision", None)
+    _client.rpush(
+        f"{PREFIX}:runs",
+        json.dumps(
+            {
+                "id": task.request.id,
+                "t": seconds * 1_000_000 + micros,
+                "local": time.time(),
+                "granted": round(decision.at * 1_000_000) if decision is not None else None,
+                "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,
+                "hostname": task.request.hostname,
+                "pid": os.getpid(),
+                "policy": getattr(task.request, "ratelimit_on_redis_error", None),
+                **extra,
+            }
+        ),
+    )
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True)
+def limited(self: Any, i: int) -> int:
+    record(self, i=i)
+    if SLEEP:
+        time.sleep(SLEEP)
+        record(self, i=i, done=True)
+    return i
+
+
+def zero(*_: Any, **__: Any) -> int:
+    return 0
+
+
+def not_a_string(*_: Any, **__: Any) -> object:
+    return None
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="c", cost=zero), bind=True)
+def zero_cost(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key=not_a_string), bind=True)
+def bad_key_function(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{0}:{1}"), bind=True)
+def too_few_arguments(self: Any, *args: Any) -> int:
+    record(self)
+    return len(args)

@@ -1,0 +1,199 @@
+"""Worker nodes of ``tests.apps.faults`` for the fault tests, one process group each.
+
+Unlike ``tests.nodes`` (a fixed set of identical nodes), each node here is started on
+its own, with its own environment and an optional command prefix (``faketime``), and
+can be killed alone (the whole node, or one pool process) in the middle of a run.
+Executions are recorded on a plain Redis (``CRL_RUNS``) so that breaking the limiter's
+Redis never loses the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.faults"
+READY_TIMEOUT = 60.0
+
+
+@dataclass
+class Node:
+    """One ``celery worker`` node (prefork) in its own process group."""
+
+    name: str
+    env: dict[str, str]
+    log: Path
+    concurrency: int = 2
+    wrapper: Sequence[str] = ()
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Node:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        cmd = [
+            *self.wrapper, sys.executable, "-m", "celery", "-A", APP, "worker",
+            "-P", "prefork", "-c", str(self.concurrency), "-n", f"{self.name}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        return self
+
+    def wait_ready(self, since: int = 0) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while b" ready." not in self.log.read_bytes()[since:]:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready:\n{self.text()[-3000:]}")
+            time.sleep(0.1)
+
+    def pool_pids(self) -> list[int]:
+        """Process ids of this node's pool children."""
+        if self.proc is None:
+            return []
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        )
+        return [int(p) for p in out.stdout.split()]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole node (main process and pool children)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # no pool child may outlive the test
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self.proc = None
+
+    def text(self) -> str:
+        return self.log.read_text("utf-8", "replace")
+
+    def grep(self, needle: str) -> list[str]:
+        return [line for line in self.text().splitlines() if needle in line]
+
+
+@dataclass
+class Fleet:
+    """Nodes sharing one broker, one limiter URL and one runs Redis."""
+
+    logdir: Path
+    broker_url: str
+    limiter_url: str
+    runs_url: str
+    prefix: str
+    settings: dict[str, str] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    _producer: Celery | None = None
+
+    def add(self, count: int = 1, *, wrapper: Sequence[str] = (), **settings: str) -> list[Node]:
+        """Start ``count`` more nodes (``CRL_*`` settings as keywords) and wait for them."""
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        env = {
+            "CRL_BROKER": self.broker_url,
+            "CRL_REDIS": self.limiter_url,
+            "CRL_RUNS": self.runs_url,
+            "CRL_PREFIX": self.prefix,
+            **{f"CRL_{k.upper()}": v for k, v in {**self.settings, **settings}.items()},
+        }
+        added = []
+        for _ in range(count):
+            name = f"node{len(self.nodes) + 1}-{self.prefix}"
+            node = Node(name, env, self.logdir / f"{name}.log", wrapper=wrapper)
+            self.nodes.append(node.start())
+            added.append(node)
+        try:
+            for node in added:
+                node.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return added
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    @property
+    def producer(self) -> Celery:
+        if self._producer is None:
+            self._producer = Celery("producer", broker=self.broker_url)
+            self._producer.conf.broker_connection_retry_on_startup = True
+        return self._producer
+
+    def send(self, name: str, *args: Any, **options: Any) -> str:
+        """Publish ``tests.apps.faults.<name>(*args)``; returns the task id."""
+        return str(self.producer.send_task(f"{APP}.{name}", args=args, **options).id)
+
+    def runs(self) -> list[dict[str, Any]]:
+        with redis.Redis.from_url(self.runs_url) as client:
+            return [json.loads(raw) for raw in client.lrange(f"{self.prefix}:runs", 0, -1)]
+
+    def wait_for_runs(
+        self, ids: Iterable[str], timeout: float, settle: float = 0.5
+    ) -> list[dict[str, Any]]:
+        """Start records of ``ids`` once every one ran (``settle`` s more to catch a
+        duplicate), or whatever ran by ``timeout``."""
+        wanted = set(ids)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if {r["id"] for r in self.runs() if not r.get("done")} >= wanted:
+                time.sleep(settle)
+                break
+            time.sleep(0.1)
+        return [r for r in self.runs() if r["id"] in wanted and not r.get("done")]
+
+    def grep(self, needle: str) -> list[str]:
+        return [line for node in self.nodes for line in node.grep(needle)]
+
+    def logs(self, tail: int = 4000) -> str:
+        return "\n".join(f"===== {n.name} =====\n{n.text()[-tail:]}" for n in self.nodes)
+
+
+def tally(ids: Sequence[str], runs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Tasks sent, distinct tasks run, lost (never ran) and duplicated (ran twice+)."""
+    counts = Counter(r["id"] for r in runs)
+    return {
+        "sent": len(ids),
+        "run": len(counts),
+        "lost": len(set(ids) - set(counts)),
+        "duplicated": sum(1 for n in counts.values() if n > 1),
+        "executions": len(runs),
+    }
+
+
+def print_on_failure(request: Any, fleet: Fleet) -> None:
+    """Print the nodes' logs at teardown when the test failed."""
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.passed:
+        print(fleet.logs())
