@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 import redis
 from celery import Celery
+
+from tests.log_reader import max_in_window
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.faults"
@@ -197,3 +200,14 @@ def print_on_failure(request: Any, fleet: Fleet) -> None:
     report = getattr(request.node, "rep_call", None)
     if report is None or not report.passed:
         print(fleet.logs())
+
+
+def unique_prefix(name: str) -> str:
+    """A key prefix unique to one test (letters, digits and dashes only)."""
+    base = "".join(c if c.isalnum() else "-" for c in name)[:40].strip("-")
+    return f"crl-{base}-{uuid.uuid4().hex[:6]}"
+
+
+def max_grants(runs: Iterable[dict[str, Any]], window_us: int) -> int:
+    """Most grants (limiter's Redis clock) in any window ``(t - W, t]``."""
+    return max_in_window([(r["granted"], 1) for r in runs if r["granted"] is not None], window_us)

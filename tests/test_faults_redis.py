@@ -18,8 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_ratelimit import Limiter, LimiterUnavailable
-from tests.fault_nodes import Fleet, print_on_failure, tally
-from tests.nodes import max_in_window, unique_prefix
+from tests.fault_nodes import Fleet, max_grants, print_on_failure, tally, unique_prefix
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(120)]
@@ -93,8 +92,7 @@ def wait_until(predicate: object, timeout: float) -> bool:
 
 
 def budget(runs: list[dict[str, object]]) -> int:
-    grants = [int(r["granted"]) for r in runs if r["granted"] is not None]  # type: ignore[call-overload]
-    return max_in_window(grants, WINDOW_US)
+    return max_grants(runs, WINDOW_US)
 
 
 def test_redis_down_at_worker_start_each_policy_then_back(
