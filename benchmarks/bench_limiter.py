@@ -54,12 +54,29 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     try:
         from limits import parse
         from limits.storage import RedisStorage
-        from limits.strategies import MovingWindowRateLimiter
+        from limits.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
 
-        moving = MovingWindowRateLimiter(RedisStorage(server.url))
+        storage = RedisStorage(server.url)
+        moving = MovingWindowRateLimiter(storage)
+        sliding = SlidingWindowCounterRateLimiter(storage)
         item = parse("1000000000/second")
         ops["limits moving window"] = lambda: moving.hit(item, "bench")
+        ops["limits sliding counter"] = lambda: sliding.hit(item, "bench-sw")
     except ImportError:  # the bench extra is not installed
+        pass
+    try:
+        from throttled import RateLimiterType, Throttled, rate_limiter, store
+
+        throttled_store = store.RedisStore(server=server.url)
+        for label, using in (
+            ("throttled-py GCRA", RateLimiterType.GCRA.value),
+            ("throttled-py sliding window", RateLimiterType.SLIDING_WINDOW.value),
+        ):
+            limiter_ = Throttled(
+                key=label, using=using, quota=rate_limiter.per_sec(10**9), store=throttled_store
+            )
+            ops[label] = limiter_.limit
+    except ImportError:
         pass
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for fn in ops.values():  # warm up connections, script cache, code paths
@@ -142,6 +159,40 @@ def memory(server: RedisServer) -> dict[str, Any]:
     return out
 
 
+def _hammer(url: str, seconds: float, key: str) -> int:
+    limiter = Limiter.from_url(url, prefix="bench-d")
+    limits = [Limit("1000000000/s")]
+    done = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(50):
+            limiter.acquire(key, limits)
+        done += 50
+    return done
+
+
+def throughput(server: RedisServer, seconds: float = 2.0) -> dict[str, Any]:
+    """(d): decisions per second with 1, 8 and 32 client processes, one key each."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    out: dict[str, Any] = {}
+    for clients in (1, 8, 32):
+        with ProcessPoolExecutor(clients) as pool:
+            list(pool.map(_hammer, [server.url] * clients, [0.2] * clients, ["w"] * clients))
+            started = time.perf_counter()
+            counts = list(
+                pool.map(
+                    _hammer,
+                    [server.url] * clients,
+                    [seconds] * clients,
+                    [f"k{i}" for i in range(clients)],
+                )
+            )
+            elapsed = time.perf_counter() - started
+        out[f"{clients} clients"] = {"decisions_per_s": round(sum(counts) / elapsed)}
+    return out
+
+
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else ROUNDS
     server = RedisServer()
@@ -155,6 +206,7 @@ def main(argv: list[str]) -> int:
             "a_client_side": client_side(server, rounds, CALLS),
             "b_server_side": server_side(server, rounds, CALLS),
             "c_memory": memory(server),
+            "d_throughput": throughput(server),
         }
     finally:
         server.close()
@@ -171,6 +223,9 @@ def main(argv: list[str]) -> int:
     for name, row in results["c_memory"].items():
         per = row.get("bytes_per_entry", "")
         print(f"    {name:24} {per!s:>8} {row['bytes']:8} {row.get('encoding', '')}")
+    print("\n(d) throughput            decisions/s   (one redis-server, one key per client)")
+    for name, row in results["d_throughput"].items():
+        print(f"    {name:24} {row['decisions_per_s']:8}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
