@@ -1,13 +1,21 @@
 """Command line: ``celery-ratelimit demo|status|reset|explain``.
 
-Also ``python -m celery_ratelimit ...``.
+Also ``python -m celery_ratelimit ...``, and as a Celery subcommand
+(``celery -A proj ratelimit status``, see ``_celery_command.py``). ``status`` and
+``reset`` take the app (``-A proj``, for its Redis URL, key prefix and declared
+limits) or ``--url``/``--prefix``; ``explain`` needs the app.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from ._exceptions import RateLimitError
+from ._limiter import DEFAULT_PREFIX, Limiter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +35,104 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-reserve", action="store_true", help="plain retry-after deferral, no reserved slots"
     )
     demo.add_argument("--plot", metavar="PNG", help="draw executions per window to this file")
+
+    def where(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("-A", "--app", help="the Celery app, module or module:attribute")
+        sub.add_argument("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
+        sub.add_argument("--prefix", help=f"key prefix (default: the app's, else {DEFAULT_PREFIX})")
+
+    status = commands.add_parser(
+        "status", help="each active key: used/limit, remaining, next free slot, reservations"
+    )
+    where(status)
+    status.add_argument("--match", metavar="GLOB", help="only keys matching GLOB ('yt:*')")
+    reset = commands.add_parser("reset", help="forget everything counted for a key")
+    where(reset)
+    reset.add_argument("key", help="the key as given to Limit(key=...), e.g. yt:quota:key1")
+    explain = commands.add_parser(
+        "explain", help="which limits apply to a call, their Redis keys, a decision (peek)"
+    )
+    explain.add_argument("-A", "--app", required=True, help="the Celery app")
+    explain.add_argument("task", help="task name")
+    explain.add_argument("args", nargs="*", help="positional arguments (JSON, else text)")
+    explain.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
     return parser
+
+
+def load_app(spec: str) -> Any:
+    """The Celery app named by ``module`` or ``module:attribute`` (as ``celery -A``)."""
+    import os
+
+    from celery.app.utils import find_app
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `celery -A` does
+    return find_app(spec)
+
+
+def limiter_from(app: Any, url: str | None, prefix: str | None) -> Limiter:
+    """A limiter for the app's Redis and prefix, overridden by ``url`` / ``prefix``."""
+    from ._settings import redis_url, setting
+
+    if app is None and url is None:
+        raise SystemExit("give the app (-A proj) or the Redis URL (--url redis://...)")
+    return Limiter.from_url(
+        url or redis_url(app),
+        prefix=prefix or (setting("ratelimit_key_prefix", app) if app else DEFAULT_PREFIX),
+    )
+
+
+def run_status(app: Any, url: str | None, prefix: str | None, match: str | None) -> list[str]:
+    from . import _ops
+
+    limiter = limiter_from(app, url, prefix)
+    try:
+        known = _ops.known_limits(app) if app is not None else []
+        guard = _ops.guard_for_app(app) if app is not None else 0.0
+        rows = _ops.status(limiter, known, guard=guard, match=match)
+        return _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
+    finally:
+        limiter.client.close()
+
+
+def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[str]:
+    from . import _ops
+
+    limiter = limiter_from(app, url, prefix)
+    try:
+        deleted = _ops.reset(limiter, key)
+    finally:
+        limiter.client.close()
+    if not deleted:
+        return [f"nothing to reset: no key {key!r} under prefix {limiter.prefix!r}"]
+    return [f"deleted {name}" for name in deleted]
+
+
+def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:
+    from . import _ops
+    from ._settings import setting
+
+    try:
+        parsed = json.loads(kwargs)
+    except ValueError as exc:
+        raise SystemExit(f"--kwargs must be a JSON object: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise SystemExit(f"--kwargs must be a JSON object, got {kwargs!r}")
+    try:
+        explanation = _ops.explain(app, task, [_ops.parse_value(a) for a in args], parsed)
+    except KeyError as exc:
+        raise SystemExit(exc.args[0]) from None
+    return _ops.format_explanation(explanation, reserve=setting("ratelimit_reserve", app))
+
+
+def _safe_url(limiter: Limiter) -> str:
+    """The client's address without a password."""
+    kwargs = getattr(getattr(limiter.client, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return type(limiter.client).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,7 +143,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodes < 1 or args.tasks < 1:
             raise SystemExit("--nodes and --tasks must be at least 1")
         return demo(args.nodes, args.tasks, args.rate, not args.no_reserve, args.plot)
-    raise AssertionError(args.command)
+    app = load_app(args.app) if args.app else None
+    try:
+        if args.command == "status":
+            lines = run_status(app, args.url, args.prefix, args.match)
+        elif args.command == "reset":
+            lines = run_reset(app, args.url, args.prefix, args.key)
+        elif args.command == "explain":
+            lines = run_explain(app, args.task, args.args, args.kwargs)
+        else:
+            raise AssertionError(args.command)
+    except RateLimitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":

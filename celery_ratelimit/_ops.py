@@ -1,0 +1,491 @@
+"""Operations behind both command lines: ``status``, ``reset KEY`` and ``explain TASK``.
+
+Nothing here writes to Redis except :func:`reset`. ``status`` reads the keys as they
+are (the log's sorted sets, the counter's hashes) and asks the scripts in peek mode,
+which count nothing; ``explain`` resolves a call's limits as a worker would and peeks.
+
+A Redis key does not store its limit, only the window (in its name) and what was
+counted. ``status`` shows ``used/limit`` for keys that match a limit known from the
+app (its tasks' ``ratelimit`` options and ``ratelimit_rules``); for any other key, the
+weight used in its window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import redis
+
+from ._decision import Decision
+from ._exceptions import InvalidLimit, LimiterUnavailable
+from ._keys import escape_key
+from ._limit import Limit, to_limits
+from ._limiter import PEEK, Limiter
+from ._rate import Rate
+from ._settings import redis_url, setting
+
+#: Scores below this are the log's meta members (running total...), not entries.
+ENTRY_FLOOR = 10**13
+TOKEN_LEN = 8
+#: What an escaped argument value can look like inside a key (see _keys.escape_part).
+_VALUE = r"[A-Za-z0-9_.@%#-]+"
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+# -- key names ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyName:
+    """A Redis key split into the logical key, the algorithm and the window."""
+
+    redis_key: str
+    key: str
+    algorithm: str
+    window_us: int
+
+
+def parse_key(prefix: str, redis_key: str) -> KeyName | None:
+    """Split ``{prefix}:{tag}:rest:{algorithm}:{window_us}``; None if it is not one."""
+    head = f"{prefix}:{{"
+    if not redis_key.startswith(head):
+        return None
+    tag, brace, tail = redis_key[len(head) :].partition("}")
+    if not brace:
+        return None
+    rest, _, window = tail.rpartition(":")
+    rest, _, algorithm = rest.rpartition(":")
+    if algorithm not in ("log", "counter") or not window.isdigit():
+        return None
+    return KeyName(redis_key, tag + rest, algorithm, int(window))
+
+
+def _glob(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def key_glob(prefix: str, key: str) -> str:
+    """A SCAN pattern for every window and algorithm of the logical ``key``."""
+    tag, _, rest = escape_key(key).partition(":")
+    tail = f":{rest}" if rest else ""
+    return f"{_glob(prefix)}:{{{_glob(tag)}}}{_glob(tail)}:*"
+
+
+# -- limits known from the app -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownLimit:
+    """A limit the app declares, and which logical keys it can produce."""
+
+    limit: Limit
+    pattern: re.Pattern[str]
+    source: str
+
+    def matches(self, name: KeyName) -> bool:
+        return (
+            name.algorithm == self.limit.algorithm
+            and name.window_us == self.limit.rate.window_us
+            and self.pattern.fullmatch(name.key) is not None
+        )
+
+
+def _key_pattern(limit: Limit, task_name: str | None) -> re.Pattern[str] | None:
+    key = limit.key
+    if key is None:
+        return re.compile(re.escape(escape_key(task_name))) if task_name else None
+    if not isinstance(key, str):
+        return None  # a key function: which keys it makes cannot be known
+    if not limit.fields:
+        return re.compile(re.escape(escape_key(key)))
+    pieces = re.split(r"\{[^{}]*\}", key)
+    return re.compile(_VALUE.join(re.escape(escape_key(p)) if p else "" for p in pieces))
+
+
+def app_tasks(app: Any) -> dict[str, Any]:
+    """The app's tasks, after importing its configured modules (``include``, ``imports``)."""
+    app.loader.import_default_modules()
+    return dict(app.tasks)
+
+
+def task_limits(task: Any) -> tuple[Limit, ...] | None:
+    spec = getattr(task, "ratelimit", None)
+    name = getattr(task, "name", "") or ""
+    if spec is None or name.startswith("celery."):
+        return None
+    return to_limits(spec, f"ratelimit of task {name}")
+
+
+def known_limits(app: Any) -> list[KnownLimit]:
+    """Every limit of the app's tasks, plus the ``ratelimit_rules`` limits with plain keys."""
+    found: list[KnownLimit] = []
+    for name, task in sorted(app_tasks(app).items()):
+        for limit in task_limits(task) or ():
+            pattern = _key_pattern(limit, name)
+            if pattern is not None:
+                found.append(KnownLimit(limit, pattern, name))
+    for rule, spec in setting("ratelimit_rules", app).items():
+        for limit in to_limits(spec, f"ratelimit_rules[{rule!r}]"):
+            pattern = _key_pattern(limit, None)
+            if pattern is not None:
+                found.append(KnownLimit(limit, pattern, f"rule {rule}"))
+    return found
+
+
+def limiter_for_app(app: Any) -> Limiter:
+    return Limiter.from_url(redis_url(app), prefix=setting("ratelimit_key_prefix", app))
+
+
+def guard_for_app(app: Any) -> float:
+    return float(setting("ratelimit_guard", app))
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyStatus:
+    """One Redis key as it is now.
+
+    ``used`` is the weight counted in the window up to now (for the counter, the
+    algorithm's estimate), ``reserved`` the weight of reservations (future entries)
+    and ``reservations`` their number. With a known ``limit``: ``remaining`` (counting
+    reservations) and ``next_free`` (seconds until a call of cost 1 fits, from a peek).
+    """
+
+    name: KeyName
+    used: int
+    reserved: int = 0
+    reservations: int = 0
+    limit: Limit | None = None
+    sources: list[str] = field(default_factory=list)
+    remaining: int | None = None
+    next_free: float | None = None
+    oldest_leaves: float | None = None
+    ttl: float | None = None
+
+
+def _weight(member: bytes) -> int:
+    return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
+
+
+def _now_us(client: Any) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def _log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    rows = client.zrangebyscore(name.redis_key, f"({now - name.window_us}", "+inf", withscores=True)
+    status = KeyStatus(name, used=0)
+    oldest = None
+    for member, score in rows:
+        if score < ENTRY_FLOOR:
+            continue
+        weight = _weight(member)
+        if score > now:
+            status.reserved += weight
+            status.reservations += 1
+        else:
+            status.used += weight
+            oldest = score if oldest is None else min(oldest, score)
+    if oldest is not None:
+        status.oldest_leaves = (oldest + name.window_us - now) / 1_000_000
+    return status
+
+
+def _counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    w, c, p = client.hmget(name.redis_key, "w", "c", "p")
+    window = name.window_us
+    wid = now // window
+    current = float(c or 0)
+    previous = float(p or 0)
+    stored = int(w) if w is not None else None
+    if stored is None or stored < wid - 1:
+        current = previous = 0.0
+    elif stored == wid - 1:
+        current, previous = 0.0, current
+    elapsed = now - wid * window
+    estimate = previous * (window - elapsed) / window + current
+    return KeyStatus(name, used=int(-(-estimate // 1)))
+
+
+def status(
+    limiter: Limiter,
+    known: Sequence[KnownLimit] = (),
+    *,
+    guard: float = 0.0,
+    match: str | None = None,
+) -> list[KeyStatus]:
+    """The state of every key under the limiter's prefix (or under ``match``, a key glob).
+
+    ``match`` is a glob over logical keys (``"yt:*"``).
+
+    Raises:
+        LimiterUnavailable: Redis could not be reached.
+    """
+    client = limiter.client
+    result: list[KeyStatus] = []
+    try:
+        now = _now_us(client)
+        names = sorted(
+            (
+                name
+                for k in client.scan_iter(f"{_glob(limiter.prefix)}:*")
+                if (name := parse_key(limiter.prefix, _text(k))) is not None
+                and (match is None or fnmatchcase(name.key, match))
+            ),
+            key=lambda n: (n.key, n.window_us, n.algorithm),
+        )
+        for name in names:
+            row = (_log_status if name.algorithm == "log" else _counter_status)(client, name, now)
+            if row.used == 0 and row.reserved == 0:
+                continue  # everything in it has left the window: the key is idle
+            ttl = client.pttl(name.redis_key)
+            row.ttl = ttl / 1000 if ttl and ttl > 0 else None
+            matching = [k for k in known if k.matches(name)]
+            if matching:
+                row.limit = matching[0].limit
+                row.sources = sorted({k.source for k in matching})
+                decision = limiter.decide([name.redis_key], (row.limit,), 1, PEEK, guard=guard)
+                row.remaining = decision.remaining
+                row.next_free = decision.retry_after
+            result.append(row)
+    except redis.RedisError as exc:
+        raise LimiterUnavailable(f"Redis failed while reading status: {exc}") from exc
+    return result
+
+
+def _text(key: bytes | str) -> str:
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+
+
+def _seconds(value: float) -> str:
+    if value <= 0:
+        return "now"
+    if value < 120:
+        return f"in {value:.3f}s"
+    if value < 7200:
+        return f"in {value / 60:.1f}m"
+    return f"in {value / 3600:.1f}h"
+
+
+def _window(window_us: int) -> str:
+    return str(Rate(1, window_us)).split("/", 1)[1]
+
+
+def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]:
+    """The table ``status`` prints."""
+    lines = [f"prefix {prefix!r} on {url}: {len(rows)} active key(s)"]
+    if not rows:
+        return lines
+    header = ("KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "NEXT FREE", "LIMIT")
+    table = [header]
+    for row in rows:
+        if row.limit is not None:
+            used = f"{row.used + row.reserved}/{row.limit.rate.limit}"
+            remaining = str(row.remaining)
+            free = _seconds(row.next_free or 0.0)
+            label = f"{row.limit.label} ({', '.join(row.sources)})"
+        else:
+            used = f"{row.used + row.reserved}"
+            remaining = "?"
+            free = "?"
+            label = "not declared by the app"
+            if row.oldest_leaves is not None:
+                label += f"; oldest entry leaves {_seconds(row.oldest_leaves)}"
+        reserved = str(row.reservations)
+        if row.reserved != row.reservations:
+            reserved += f" ({row.reserved} units)"
+        table.append(
+            (
+                row.name.key,
+                _window(row.name.window_us),
+                row.name.algorithm,
+                used,
+                remaining,
+                reserved,
+                free,
+                label,
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    for r in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    lines.append("USED counts reservations (future slots); REMAINING too.")
+    return lines
+
+
+# -- reset ---------------------------------------------------------------------------------
+
+
+def reset(limiter: Limiter, key: str) -> list[str]:
+    """Delete every Redis key of the logical ``key`` (all windows and algorithms).
+
+    Returns the deleted Redis keys.
+
+    Raises:
+        LimiterUnavailable: Redis could not be reached.
+    """
+    wanted = escape_key(key)
+    try:
+        found = [
+            _text(k)
+            for k in limiter.client.scan_iter(key_glob(limiter.prefix, key))
+            if (name := parse_key(limiter.prefix, _text(k))) is not None and name.key == wanted
+        ]
+        for redis_key in found:
+            limiter.client.delete(redis_key)
+    except redis.RedisError as exc:
+        raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
+    return sorted(found)
+
+
+# -- explain -------------------------------------------------------------------------------
+
+
+@dataclass
+class LimitExplanation:
+    limit: Limit
+    key: str
+    redis_key: str
+    cost: int
+    state: KeyStatus
+
+
+@dataclass
+class Explanation:
+    """Which limits apply to one call of a task, their keys, and a peeked decision."""
+
+    task: str
+    source: str
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    limits: list[LimitExplanation] = field(default_factory=list)
+    decision: Decision | None = None
+    error: str | None = None
+
+
+def parse_value(text: str) -> Any:
+    """A command-line argument: JSON when it parses (``3``, ``"x"``, ``[1]``), else the text."""
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def explain(
+    app: Any, task_name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+) -> Explanation:
+    """Resolve the limits of ``task_name(*args, **kwargs)`` as a worker would; peek.
+
+    Raises:
+        KeyError: no such task (the message lists the rate-limited ones).
+        LimiterUnavailable: Redis could not be reached.
+    """
+    from ._task import plan_for
+
+    tasks = app_tasks(app)
+    task = tasks.get(task_name)
+    if task is None:
+        limited = sorted(n for n, t in tasks.items() if task_limits(t))
+        raise KeyError(
+            f"no task {task_name!r} in app {app.main!r}; rate-limited tasks: "
+            f"{', '.join(limited) or 'none'}"
+        )
+    kwargs = dict(kwargs or {})
+    result = Explanation(task_name, "", tuple(args), kwargs)
+    plan = plan_for(task)
+    if plan is None:
+        result.source = "none: this task is not rate limited"
+        return result
+    result.source = (
+        "app.conf.ratelimit_rules (install)"
+        if type(task).__dict__.get("_ratelimit_from_rules")
+        else "the task's ratelimit option"
+    )
+    try:
+        keys, costs = plan.resolve(tuple(args), kwargs)
+    except (InvalidLimit, TypeError) as exc:
+        result.error = f"a worker would fail this call: {exc}"
+        return result
+    limiter = limiter_for_app(app)
+    redis_keys = limiter.keys_for(keys, plan.limits)
+    try:
+        now = _now_us(limiter.client)
+        for limit, key, redis_key, cost in zip(plan.limits, keys, redis_keys, costs, strict=True):
+            name = parse_key(limiter.prefix, redis_key) or KeyName(
+                redis_key, key, limit.algorithm, limit.rate.window_us
+            )
+            state = (_log_status if limit.algorithm == "log" else _counter_status)(
+                limiter.client, name, now
+            )
+            state.limit = limit
+            one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
+            state.remaining, state.next_free = one.remaining, one.retry_after
+            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
+        result.decision = limiter.decide(
+            redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
+        )
+    except redis.RedisError as exc:
+        raise LimiterUnavailable(f"Redis failed during explain: {exc}") from exc
+    finally:
+        limiter.client.close()
+    return result
+
+
+def _call(task: str, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str:
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{task}({', '.join(parts)})"
+
+
+def format_explanation(e: Explanation, *, reserve: bool = True) -> list[str]:
+    """The lines ``explain`` prints."""
+    lines = [f"call      {_call(e.task, e.args, e.kwargs)}", f"limits    {e.source}"]
+    if e.error:
+        return [*lines, f"error     {e.error}"]
+    for i, item in enumerate(e.limits, 1):
+        s = item.state
+        lines += [
+            f"  {i}. {item.limit.label}  ({item.limit.rate}, {item.limit.algorithm}, "
+            f"cost {item.cost})",
+            f"     key        {item.key}",
+            f"     redis key  {item.redis_key}",
+            f"     now        used {s.used + s.reserved}/{item.limit.rate.limit}"
+            f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
+            f" this cost fits {_seconds(s.next_free or 0.0)}",
+        ]
+    d = e.decision
+    if d is None:
+        return lines
+    if d.allowed:
+        lines.append(f"decision  allowed now ({d.remaining} free before this call)")
+    else:
+        by = d.limit.label if d.limit is not None else "the limits"
+        then = "reserving that slot" if reserve else "without a reservation"
+        lines.append(
+            f"decision  denied by {by}: it fits {_seconds(d.retry_after)}; a worker would "
+            f"defer it ({then})"
+        )
+    lines.append("          (peek: nothing was counted)")
+    return lines
+
+
+__all__ = [
+    "Explanation",
+    "KeyName",
+    "KeyStatus",
+    "KnownLimit",
+    "explain",
+    "format_explanation",
+    "format_status",
+    "known_limits",
+    "parse_key",
+    "reset",
+    "status",
+]

@@ -1,0 +1,1 @@
+"""Runnable examples; see each module's docstring (and README, "Examples")."""
