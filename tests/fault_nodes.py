@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,3 +212,11 @@ def unique_prefix(name: str) -> str:
 def max_grants(runs: Iterable[dict[str, Any]], window_us: int) -> int:
     """Most grants (limiter's Redis clock) in any window ``(t - W, t]``."""
     return max_in_window([(r["granted"], 1) for r in runs if r["granted"] is not None], window_us)
+
+
+_DEFERRED = re.compile(r"ratelimit: deferred \S+\[([0-9a-f-]+)\]")
+
+
+def deferred_ids(lines: Iterable[str]) -> set[str]:
+    """Task ids named by ``ratelimit: deferred`` log lines."""
+    return {m.group(1) for line in lines if (m := _DEFERRED.search(line))}
