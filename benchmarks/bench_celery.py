@@ -111,6 +111,8 @@ class Bench:
             "limiter_calls": self._calls(self.client, "evalsha"),
             "deferrals": sum(r[2] for r in rows),
             "publishes_from_records": count + sum(r[2] for r in rows),
+            "starts_us": starts,
+            "grants_us": grants,
         }
         if broker is not None:
             result["broker_lpush"] = self._calls(broker, "lpush")

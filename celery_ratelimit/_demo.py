@@ -62,6 +62,21 @@ def max_in_window(times_us: list[int], window_us: int) -> int:
     return best
 
 
+def windows_over_time(times_us: list[int], window_us: int) -> tuple[list[float], list[int]]:
+    """(seconds since the first instant, instants in the trailing window) samples."""
+    ordered = sorted(times_us)
+    if not ordered:
+        return [], []
+    step = max(window_us // 50, 1000)
+    xs, ys = [], []
+    t = ordered[0]
+    while t <= ordered[-1] + window_us:
+        xs.append((t - ordered[0]) / 1e6)
+        ys.append(bisect.bisect_right(ordered, t) - bisect.bisect_right(ordered, t - window_us))
+        t += step
+    return xs, ys
+
+
 def ideal_drain(tasks: int, rate: Rate) -> float:
     """Seconds from the first to the last start when the limit is used exactly."""
     return max(0, math.ceil(tasks / rate.limit) - 1) * rate.window
@@ -187,20 +202,11 @@ def plot(report: Report, path: str) -> None:
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from exc
     window = report.rate.window_us
-    grants = sorted(r[1] for r in report.runs)
-    starts = sorted(r[0] for r in report.runs)
-    t0 = min(grants + starts)
-    step = max(window // 50, 1000)
-    xs, ys_g, ys_s = [], [], []
-    t = t0
-    while t <= max(grants + starts) + window:
-        xs.append((t - t0) / 1e6)
-        ys_g.append(bisect.bisect_right(grants, t) - bisect.bisect_right(grants, t - window))
-        ys_s.append(bisect.bisect_right(starts, t) - bisect.bisect_right(starts, t - window))
-        t += step
+    xs, ys_g = windows_over_time([r[1] for r in report.runs], window)
+    xs_s, ys_s = windows_over_time([r[0] for r in report.runs], window)
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(xs, ys_g, label="grants in the trailing window")
-    ax.plot(xs, ys_s, label="task starts in the trailing window", alpha=0.6)
+    ax.plot(xs_s, ys_s, label="task starts in the trailing window", alpha=0.6)
     ax.axhline(report.rate.limit, color="red", linestyle="--", label=f"limit {report.rate}")
     ax.set_xlabel("seconds since the first execution")
     ax.set_ylabel(f"executions per {report.rate.window:g}s")

@@ -1,0 +1,201 @@
+"""All benchmarks in one process: ``python -m benchmarks [--quick]``.
+
+Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 when
+there is one), runs the limiter micro-benchmarks and the three-node Celery scenarios,
+prints one table of ratios measured in this run next to their targets, writes the raw
+figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
+``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import bench_celery, bench_limiter
+from celery_ratelimit._embedded import RedisServer
+from celery_ratelimit._rate import Rate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}"
+
+
+def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(figure, measured, target, verdict) for the table."""
+    out: list[tuple[str, str, str, str]] = []
+
+    def add(name: str, value: float | None, target: str, ok: bool | None) -> None:
+        shown = (
+            "n/a" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+        )
+        out.append((name, shown, target, "" if ok is None else ("met" if ok else "MISSED")))
+
+    a = results["limiter"]["a_client_side"]
+    for name, row in a.items():
+        if name != "ping":
+            target = "<= 1.10" if name.startswith("acquire (not") else "anchor"
+            ok = row["x_ping"] <= 1.10 if target != "anchor" else None
+            add(f"1. decision time / PING: {name}", row["x_ping"], target, ok)
+    b = results["limiter"]["b_server_side"]
+    add(
+        "2. server us/decision, cost 1",
+        b["cost 1"]["usec_per_call"],
+        "<= 8",
+        b["cost 1"]["usec_per_call"] <= 8,
+    )
+    add(
+        "2. server us, cost 1000 / cost 1",
+        b["cost 1000 / cost 1"],
+        "<= 1.2",
+        b["cost 1000 / cost 1"] <= 1.2,
+    )
+    for name in ("cost 100", "cost 1, 2 limits", "cost 1, 4 limits"):
+        if name in b:
+            add(f"2. server us/decision, {name}", b[name]["usec_per_call"], "", None)
+    for name, row in results["limiter"]["c_memory"].items():
+        if "bytes_per_entry" in row:
+            per = row["bytes_per_entry"]
+            add(f"3. memory bytes/entry, {name} ({row['encoding']})", per, "<= 60", per <= 60)
+        else:
+            add(f"3. memory bytes/key, {name}", row["bytes"], "O(1)", None)
+    for name, row in results["limiter"]["d_throughput"].items():
+        add(f"4. decisions/s, {name}", row["decisions_per_s"], "", None)
+    for broker in ("redis", "rabbitmq"):
+        c = results.get(f"celery_{broker}")
+        if not c:
+            continue
+        tag = f"[{broker}]"
+        add(
+            f"5. most grants in a window / limit {tag}",
+            c["reserved"]["grants_over_limit"],
+            "1.00",
+            c["reserved"]["grants_over_limit"] <= 1.0,
+        )
+        add(
+            f"5. most starts in a window / limit {tag}",
+            c["reserved"]["starts_over_limit"],
+            "1.00",
+            c["reserved"]["starts_over_limit"] <= 1.0,
+        )
+        add(
+            f"5. anchor: Celery rate_limit, starts / limit {tag}",
+            c["celery_rate_limit"]["starts_over_limit"],
+            "anchor",
+            None,
+        )
+        for mode in ("reserved", "unreserved"):
+            r = c[mode]
+            label = "on" if mode == "reserved" else "off"
+            add(
+                f"6. drain / ideal, reservations {label} {tag}",
+                r["drain_over_ideal"],
+                "<= 1.05",
+                r["drain_over_ideal"] <= 1.05,
+            )
+            add(
+                f"7. limiter calls / task, reservations {label} {tag}",
+                r["calls_per_task"],
+                "<= 2.0" if label == "on" else "",
+                r["calls_per_task"] <= 2.0 if label == "on" else None,
+            )
+            add(
+                f"7. broker publishes / task, reservations {label} {tag}",
+                r["publishes_per_task"],
+                "<= 2.0" if label == "on" else "",
+                r["publishes_per_task"] <= 2.0 if label == "on" else None,
+            )
+        o = c["overhead"]
+        add(
+            f"8. tasks/s with a loose limit / without {tag}",
+            o["ratio"],
+            ">= 0.95",
+            o["ratio"] >= 0.95,
+        )
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from celery_ratelimit._demo import windows_over_time
+
+    scenarios = [
+        (broker, name)
+        for broker in ("redis", "rabbitmq")
+        if results.get(f"celery_{broker}")
+        for name in ("reserved", "unreserved", "celery_rate_limit")
+    ]
+    fig, axes = plt.subplots(len(scenarios), 1, figsize=(9, 2.4 * len(scenarios)), sharex=True)
+    for ax, (broker, name) in zip(list(getattr(axes, "flat", [axes])), scenarios, strict=False):
+        c = results[f"celery_{broker}"]
+        rate = Rate.parse(c["rate"])
+        xs, ys = windows_over_time(c[name]["starts_us"], rate.window_us)
+        ax.plot(xs, ys, label="task starts in the trailing window")
+        ax.axhline(rate.limit, color="red", linestyle="--", label=f"limit {rate}")
+        ax.set_title(f"{name} ({broker} broker, 3 nodes)", fontsize=9)
+        ax.set_ylabel("per window")
+        ax.legend(loc="upper right", fontsize=7)
+    axes_list = list(getattr(axes, "flat", [axes]))
+    axes_list[-1].set_xlabel("seconds since the first start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller backlog")
+    args = parser.parse_args()
+    started = time.monotonic()
+    rounds, calls = (3, 1000) if args.quick else (9, 2000)
+    results: dict[str, Any] = {"machine": machine()}
+    server = RedisServer()
+    try:
+        results["limiter"] = {
+            "redis_version": server.client().info("server")["redis_version"],
+            "a_client_side": bench_limiter.client_side(server, rounds, calls),
+            "b_server_side": bench_limiter.server_side(server, rounds, calls),
+            "c_memory": bench_limiter.memory(server),
+            "d_throughput": bench_limiter.throughput(server, 1.0 if args.quick else 2.0),
+        }
+    finally:
+        server.close()
+    backlog, overhead = (200, 300) if args.quick else (400, 1000)
+    results["celery_redis"] = bench_celery.run("redis", "20/s", backlog, overhead)
+    if bench_celery.rabbitmq_reachable():
+        results["celery_rabbitmq"] = bench_celery.run("rabbitmq", "20/s", backlog, overhead)
+    results["seconds"] = round(time.monotonic() - started, 1)
+    table = rows(results)
+    width = max(len(r[0]) for r in table)
+    print(f"\n{results['machine']}, Redis {results['limiter']['redis_version']}")
+    print(f"{'figure':{width}}  {'measured':>9}  {'target':>8}")
+    for name, value, target, verdict in table:
+        print(f"{name:{width}}  {value:>9}  {target:>8}  {verdict}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "all.json").write_text(json.dumps(results, indent=1) + "\n")
+    if plot(results, RESULTS / "celery.png"):
+        print(f"plot: {RESULTS / 'celery.png'}")
+    print(f"raw figures: {RESULTS / 'all.json'} ({results['seconds']}s in all)")
+
+
+if __name__ == "__main__":
+    main()
