@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.examples_env import env_for, run, workers
+from tests.examples_env import ROOT, env_for, run, workers
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.celery
@@ -41,3 +41,45 @@ def test_quota_ingestion_spends_at_most_the_quota_per_sliding_day(
     cap = int(re.search(r"most search.list in any sliding hour (\d+) / 25", out)[1])  # type: ignore[index]
     assert cap <= 25
     assert "result: the quota held" in out
+
+
+def test_per_tenant_api_keeps_each_tenant_within_its_own_limit(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    env = env_for(*servers, TENANT_RATE="5/s", TENANT_CALLS="8")
+    with workers("examples.per_tenant_api", env, count=2):
+        result = run(sys.executable, "-m", "examples.per_tenant_api", "produce", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = re.findall(
+        r"^(\w+)\s+(\d+) calls in\s+([\d.]+)s, most in any window (\d+) \(limit 5\)",
+        result.stdout,
+        re.M,
+    )
+    assert {r[0]: int(r[1]) for r in rows} == {"acme": 24, "globex": 8, "initech": 8}
+    for tenant, _calls, _span, most in rows:
+        assert int(most) <= 5, tenant
+    spans = {r[0]: float(r[2]) for r in rows}
+    # the noisy tenant waits for its own budget (24 calls at 5/s: about 4 windows) ...
+    assert spans["acme"] >= 3.5
+    # ... while the others are not held up behind it (8 calls at 5/s: one extra window)
+    assert spans["globex"] < 2.5 and spans["initech"] < 2.5
+    assert "every tenant stayed within its limit" in result.stdout
+
+
+def test_existing_project_gets_rules_without_touching_its_tasks(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    source = (ROOT / "examples" / "existing_project" / "tasks.py").read_text()
+    assert "celery_ratelimit" not in source and "ratelimit" not in source
+    env = env_for(*servers)
+    with workers("examples.existing_project", env, count=2):
+        result = run(sys.executable, "-m", "examples.existing_project", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    billing = re.search(
+        r"billing:api \(sync_\*\)\s+(\d+) runs, most in any second (\d+)", result.stdout
+    )
+    email = re.search(r"send_email\s+(\d+) runs, most in any second (\d+)", result.stdout)
+    assert billing and email, result.stdout
+    assert int(billing[1]) == 12 and int(billing[2]) == 4  # both tasks, one budget of 4/s
+    assert int(email[1]) == 6 and int(email[2]) == 2
+    assert "the rules held" in result.stdout
