@@ -33,6 +33,7 @@ from celery_ratelimit import Limit, Rate, RateLimitedTask
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
 TENANT_RATE = Rate.parse(os.environ.get("TENANT_RATE", "5/s"))
+TENANT_CALLS = int(os.environ.get("TENANT_CALLS", "10"))
 TENANTS = ("acme", "globex", "initech")
 RUNS = "example:tenant:runs"
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.per_tenant_api")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("produce", help="send calls for every tenant and report")
-    p.add_argument("--calls", type=int, default=int(os.environ.get("TENANT_CALLS", "10")))
+    p.add_argument("--calls", type=int, default=TENANT_CALLS)
     args = parser.parse_args(argv)
     return produce(args.calls)
 
