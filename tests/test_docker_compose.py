@@ -75,7 +75,8 @@ def test_commands_point_at_modules_that_import_and_read_the_environment(
     env = dict(spec.get("environment") or {})
     assert env, f"{service} sets no environment"
     # Import the module as the container would (from the repository root), with each
-    # variable set to a marker (a number where the value is one), and find every marker in what the module configured.
+    # variable set to a marker (a number where the value is one), and find every
+    # marker in what the module configured.
     markers = {
         name: str(987650 + i) if str(value).isdigit() else f"marker-{i}-{name.lower()}"
         for i, (name, value) in enumerate(env.items())
