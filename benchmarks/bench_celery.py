@@ -78,6 +78,12 @@ class Bench:
         for server in (self.limiter_redis, self.broker_redis):
             if server is not None:
                 server.close()
+        # the next run may use another broker: drop this one's pooled connections
+        app = self.tasks.app
+        if app._pool is not None:
+            app._pool.force_close_all()
+        app._pool = None
+        app.amqp._producer_pool = None
 
     def _calls(self, client: Any, command: str) -> int:
         stats = client.info("commandstats").get(f"cmdstat_{command}", {})
