@@ -274,7 +274,8 @@ def _seconds(value: float) -> str:
 
 
 def _window(window_us: int) -> str:
-    return str(Rate(1, window_us)).split("/", 1)[1]
+    text = str(Rate(1, window_us)).split("/", 1)[1]
+    return text if text[0].isdigit() else "1" + text
 
 
 def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]:
@@ -286,12 +287,12 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     table = [header]
     for row in rows:
         if row.limit is not None:
-            used = f"{row.used + row.reserved}/{row.limit.rate.limit}"
+            used = f"{row.used}/{row.limit.rate.limit}"
             remaining = str(row.remaining)
             free = _seconds(row.next_free or 0.0)
             label = f"{row.limit.label} ({', '.join(row.sources)})"
         else:
-            used = f"{row.used + row.reserved}"
+            used = f"{row.used}"
             remaining = "?"
             free = "?"
             label = "not declared by the app"
@@ -315,7 +316,10 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
     for r in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
-    lines.append("USED counts reservations (future slots); REMAINING too.")
+    lines.append(
+        "USED: weight counted in the window until now; RESERVED: future slots held by "
+        "deferred tasks (REMAINING and NEXT FREE count them)."
+    )
     return lines
 
 
@@ -456,7 +460,7 @@ def format_explanation(e: Explanation, *, reserve: bool = True) -> list[str]:
             f"cost {item.cost})",
             f"     key        {item.key}",
             f"     redis key  {item.redis_key}",
-            f"     now        used {s.used + s.reserved}/{item.limit.rate.limit}"
+            f"     now        used {s.used}/{item.limit.rate.limit}"
             f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
             f" this cost fits {_seconds(s.next_free or 0.0)}",
         ]

@@ -1,0 +1,188 @@
+"""The command lines as a user runs them: ``celery-ratelimit status|reset|explain``
+(``python -m celery_ratelimit``), ``celery -A app ratelimit ...`` through the entry
+point, and the demo, against private redis-servers."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_ratelimit import Limit, Limiter, Rate
+from tests.examples_env import run
+from tests.redis_server import RedisServer
+
+DAY_US = 600_000_000  # the quota example's "day", made long so nothing expires mid-test
+QUOTA = Rate(9500, DAY_US)
+SEARCH = Rate(25, DAY_US // 24)
+APP = "examples.quota_ingestion"
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def env(server: RedisServer) -> dict[str, str]:
+    return {
+        "RATELIMIT_REDIS_URL": server.url,
+        "CELERY_BROKER_URL": server.url.replace("/0", "/1"),
+        "YT_DAY_SECONDS": str(DAY_US // 1_000_000),
+    }
+
+
+@pytest.fixture
+def limiter(server: RedisServer) -> Iterator[Limiter]:
+    limiter = Limiter.from_url(server.url, prefix="example")
+    yield limiter
+    limiter.client.close()
+
+
+def cli(*args: str, env: dict[str, str]) -> str:
+    result = run(sys.executable, "-m", "celery_ratelimit", *args, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def populate(limiter: Limiter) -> None:
+    """The quota at 301 of 9500, the search cap full with one slot reserved, and a key
+    the app does not declare."""
+    limiter.acquire("yt:quota:key1", Limit(QUOTA), cost=300)
+    limiter.acquire("yt:quota:key1", Limit(QUOTA), cost=1)
+    for _ in range(25):
+        assert limiter.acquire("yt:search:key1", Limit(SEARCH)).allowed
+    assert limiter.acquire("yt:search:key1", Limit(SEARCH), reserve=True).reserved
+    for _ in range(3):
+        limiter.acquire("adhoc:job", "10/m")
+
+
+def row(output: str, key: str) -> list[str]:
+    line = next(line for line in output.splitlines() if line.startswith(key + " "))
+    return line.split()
+
+
+def test_status_shows_used_over_limit_for_the_apps_limits(
+    limiter: Limiter, env: dict[str, str]
+) -> None:
+    populate(limiter)
+    out = cli("status", "-A", APP, env=env)
+    assert "prefix 'example'" in out and "3 active key(s)" in out
+    quota = row(out, "yt:quota:key1")
+    assert quota[1:6] == ["600s", "log", "301/9500", "9199", "0"]
+    assert quota[6] == "now"
+    search = row(out, "yt:search:key1")
+    assert search[1:6] == ["25s", "log", "25/25", "0", "1"]  # full, one slot reserved
+    wait = float(re.match(r"([\d.]+)s", search[7])[1])  # type: ignore[index]
+    assert 24 < wait <= 25  # when the full window's calls leave (the reserved one is 1 of 25)
+    adhoc = row(out, "adhoc:job")
+    assert adhoc[1:7] == ["1m", "log", "3", "?", "0", "?"]
+    assert "not declared by the app" in " ".join(adhoc)
+
+
+def test_status_by_url_and_prefix_without_an_app(
+    server: RedisServer, limiter: Limiter, env: dict[str, str]
+) -> None:
+    populate(limiter)
+    out = cli("status", "--url", server.url, "--prefix", "example", "--match", "yt:*", env=env)
+    assert "2 active key(s)" in out
+    assert row(out, "yt:quota:key1")[1:4] == ["600s", "log", "301"]
+    assert "adhoc:job" not in out
+
+
+def test_celery_subcommand_status_through_the_entry_point(
+    limiter: Limiter, env: dict[str, str]
+) -> None:
+    populate(limiter)
+    result = run(CELERY, "-A", APP, "ratelimit", "status", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert row(result.stdout, "yt:quota:key1")[3] == "301/9500"
+    assert row(result.stdout, "yt:search:key1")[3:6] == ["25/25", "0", "1"]
+    helptext = run(CELERY, "-A", APP, "ratelimit", "--help", env=env).stdout
+    assert all(name in helptext for name in ("status", "reset", "explain"))
+
+
+def test_reset_removes_every_window_of_the_key_and_nothing_else(
+    server: RedisServer, limiter: Limiter, env: dict[str, str]
+) -> None:
+    populate(limiter)
+    limiter.acquire("yt:quota:key1", "10/s")  # a second window on the same key
+    limiter.acquire("yt:quota:key10", "10/s")  # a longer key with the same beginning
+    client = redis.Redis.from_url(server.url)
+    before = {k.decode() for k in client.keys("example:*")}
+    out = cli("reset", "yt:quota:key1", "-A", APP, env=env)
+    deleted = {line.split()[1] for line in out.splitlines()}
+    assert deleted == {
+        "example:{yt}:quota:key1:log:600000000",
+        "example:{yt}:quota:key1:log:1000000",
+    }
+    assert {k.decode() for k in client.keys("example:*")} == before - deleted
+    assert "nothing to reset" in cli(
+        "reset", "yt:quota:key1", "--url", server.url, "--prefix", "example", env=env
+    )
+    client.close()
+
+
+def test_explain_shows_limits_keys_and_decision_without_consuming(
+    server: RedisServer, limiter: Limiter, env: dict[str, str]
+) -> None:
+    limiter.acquire("yt:quota:key1", Limit(QUOTA), cost=9450)
+    client = redis.Redis.from_url(server.url)
+    key = "example:{yt}:quota:key1:log:600000000"
+    state = (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0)
+    task = f"{APP}.search_list"
+    out = cli("explain", "-A", APP, task, "key1", "US", "--kwargs", '{"query": "cats"}', env=env)
+    assert f"call      {task}('key1', 'US', query='cats')" in out
+    assert "limits    the task's ratelimit option" in out
+    assert "1. yt:quota:{api_key}@9500/600s  (9500/600s, log, cost 100)" in out
+    assert f"redis key  {key}" in out
+    assert "redis key  example:{yt}:search:key1:log:25000000" in out
+    assert "used 9450/9500 (0 reserved slot(s)), remaining 50" in out
+    assert re.search(r"decision  denied by yt:quota:\{api_key\}@9500/600s: it fits in 1\d\.\d", out)
+    assert "nothing was counted" in out
+    # peek: the quota's total and entries are as they were, and the cap's key was not made
+    assert (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0) == state
+    assert not client.exists("example:{yt}:search:key1:log:25000000")
+    # a cheap call still fits
+    out = cli("explain", "-A", APP, f"{APP}.videos_list", "key1", "US", "3", env=env)
+    assert "decision  allowed now (50 free before this call)" in out
+    assert client.zcard(key) == state[1]
+    client.close()
+
+
+def test_explain_resolves_install_rules_and_reports_bad_calls(env: dict[str, str]) -> None:
+    app = "examples.existing_project"
+    task = "examples.existing_project.tasks.send_email"
+    out = cli("explain", "-A", app, task, "a@example.com", env=env)
+    assert "limits    app.conf.ratelimit_rules (install)" in out
+    assert f"redis key  example:{{{task}}}:log:1000000" in out
+    assert "decision  allowed now (2 free before this call)" in out
+    out = cli("explain", "-A", app, "examples.existing_project.tasks.cleanup", env=env)
+    assert "not rate limited" in out
+    out = cli("explain", "-A", APP, f"{APP}.videos_list", "key1", env=env)
+    assert "error     a worker would fail this call" in out
+    result = run(sys.executable, "-m", "celery_ratelimit", "explain", "-A", APP, "nope", env=env)
+    assert result.returncode != 0 and f"{APP}.search_list" in result.stderr
+
+
+@pytest.mark.celery
+def test_demo_runs_end_to_end_and_prints_the_report() -> None:
+    result = run(
+        sys.executable, "-m", "celery_ratelimit", "demo", "--nodes", "2", "--tasks", "20",
+        "--rate", "10/s", env={}, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "tasks sent / executed          20 / 20" in out
+    most = re.search(r"most grants in any window\s+(\d+) \(limit 10\)", out)
+    assert most and int(most[1]) <= 10
+    assert re.search(r"drain time / ideal\s+[\d.]+s / 1\.00s", out)
+    assert "limiter calls per task" in out
+    assert "result: the shared limit held" in out
