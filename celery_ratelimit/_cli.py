@@ -122,7 +122,11 @@ def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[s
         explanation = _ops.explain(app, task, [_ops.parse_value(a) for a in args], parsed)
     except KeyError as exc:
         raise SystemExit(exc.args[0]) from None
-    return _ops.format_explanation(explanation, reserve=setting("ratelimit_reserve", app))
+    return _ops.format_explanation(
+        explanation,
+        reserve=setting("ratelimit_reserve", app),
+        max_countdown=setting("ratelimit_max_countdown", app),
+    )
 
 
 def _safe_url(limiter: Limiter) -> str:

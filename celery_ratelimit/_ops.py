@@ -448,7 +448,9 @@ def _call(task: str, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str:
     return f"{task}({', '.join(parts)})"
 
 
-def format_explanation(e: Explanation, *, reserve: bool = True) -> list[str]:
+def format_explanation(
+    e: Explanation, *, reserve: bool = True, max_countdown: float = float("inf")
+) -> list[str]:
     """The lines ``explain`` prints."""
     lines = [f"call      {_call(e.task, e.args, e.kwargs)}", f"limits    {e.source}"]
     if e.error:
@@ -471,10 +473,16 @@ def format_explanation(e: Explanation, *, reserve: bool = True) -> list[str]:
         lines.append(f"decision  allowed now ({d.remaining} free before this call)")
     else:
         by = d.limit.label if d.limit is not None else "the limits"
-        then = "reserving that slot" if reserve else "without a reservation"
+        if d.retry_after > max_countdown:
+            then = (
+                f"by {max_countdown:g}s, the ratelimit_max_countdown cap, without a "
+                "reservation, to compete again then"
+            )
+        else:
+            then = "to that instant, reserving it" if reserve else "without a reservation"
         lines.append(
             f"decision  denied by {by}: it fits {_seconds(d.retry_after)}; a worker would "
-            f"defer it ({then})"
+            f"defer it {then}"
         )
     lines.append("          (peek: nothing was counted)")
     return lines
