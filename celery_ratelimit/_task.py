@@ -7,8 +7,9 @@ ends this execution cleanly (state ``RETRY``) and the body never runs. A
 swallowed.
 
 A denied call is published again as the same task (same id, args, kwargs, links,
-chain, chord, group, queue, priority, expires) with ``countdown`` = the limiter's
-retry-after, ``retries`` unchanged, and two headers: ``ratelimit_deferrals`` (how many
+chain, chord, group, queue, priority, expires) for the limiter's retry-after (an
+``eta`` in Redis time, which the receiving worker moves to its own clock: see
+``_clock``), ``retries`` unchanged, and two headers: ``ratelimit_deferrals`` (how many
 times this task was deferred) and ``ratelimit_token`` (its reserved slot, if any).
 The copy is published *before* the original message is acknowledged: a crash in
 between can duplicate a message, never lose one.
@@ -30,6 +31,7 @@ from celery import Task, signals
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
+from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitExceeded
 from ._keys import escape_key, render
@@ -206,6 +208,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             countdown = setting("ratelimit_redis_error_countdown", app, task, request)
             token = _defer(task, plan, keys, args, kwargs, countdown, None, f"Redis error: {exc}")
             continue
+        observe(decision, time.time())
         runs = decision.allowed or (
             decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT
         )
@@ -296,7 +299,12 @@ def _defer(
     headers[DEFERRALS_HEADER] = deferrals + 1
     headers[TOKEN_HEADER] = token
     signature = task.signature_from_request(
-        request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+        request,
+        args,
+        kwargs,
+        eta=redis_eta(countdown),  # in Redis time: worker clocks may disagree (see _clock)
+        retries=request.retries,
+        headers=headers,
     )
     try:
         signature.apply_async()

@@ -1,0 +1,90 @@
+"""Deferral ETAs in Redis time, so that worker clocks that disagree cannot strand a task.
+
+Celery turns a countdown into an absolute ``eta`` with the *sending* worker's clock,
+and the receiving worker waits until its *own* clock reaches it. Measured with three
+nodes (one on time, one an hour ahead, one an hour behind, under ``faketime``): half of
+a 40-task backlog deferred for under four seconds was held for an hour or two by the
+nodes whose clocks disagreed with the sender's. The limiter decides by Redis's clock
+(``TIME``), so that clock is the common frame for the ETAs of deferred tasks:
+
+- the deferring worker publishes ``eta`` = Redis's now + countdown, knowing Redis's
+  now from its latest decision (:func:`observe`: ``Decision.at`` against ``time.time()``);
+- the receiving worker, in the ``task_received`` signal (sent before Celery schedules
+  the ETA), moves the ``eta`` of a deferred task (one with a ``ratelimit_deferrals``
+  header) from Redis time to its own clock, with its offset to Redis measured by one
+  ``TIME`` call at most every :data:`OFFSET_TTL` seconds (failures are cached too, so a
+  down Redis never slows the consumer down more than once per interval).
+
+With clocks in step both corrections are a millisecond or so. Before the first decision
+the offset is taken as 0 (the plain countdown). Early arrivals that remain (a clock
+stepped since its last measurement) are still caught by the confirmation of the reserved
+slot: a task never runs before its slot.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any
+
+from celery import signals
+
+from ._decision import Decision
+from ._settings import limiter_for
+
+logger = logging.getLogger("celery_ratelimit")
+
+#: Seconds a receiving worker trusts its measured offset to Redis before measuring again.
+OFFSET_TTL = 60.0
+#: Redis time minus local time, seconds, and when it was measured (time.monotonic()).
+_offset: float | None = None
+_measured_at = -OFFSET_TTL
+
+
+def observe(decision: Decision, local_now: float) -> None:
+    """Note this process's clock offset to Redis from a decision just received."""
+    global _offset, _measured_at
+    redis_now = decision.at - (decision.retry_after if decision.reserved else 0.0)
+    _offset = redis_now - local_now
+    _measured_at = time.monotonic()
+
+
+def redis_eta(countdown: float) -> datetime.datetime:
+    """The instant ``countdown`` seconds from now, in Redis time (UTC), for ``eta=``."""
+    return datetime.datetime.fromtimestamp(
+        time.time() + (_offset or 0.0) + countdown, tz=datetime.timezone.utc
+    )
+
+
+def _measured_offset(app: Any) -> float | None:
+    global _offset, _measured_at
+    if time.monotonic() - _measured_at < OFFSET_TTL:
+        return _offset
+    _measured_at = time.monotonic()
+    try:
+        before = time.time()
+        seconds, micros = limiter_for(app).client.time()
+        after = time.time()
+    except Exception as exc:  # keep the last offset; try again after OFFSET_TTL
+        logger.debug("ratelimit: could not read Redis TIME: %s", exc)
+        return _offset
+    _offset = seconds + micros / 1_000_000 - (before + after) / 2
+    return _offset
+
+
+def _eta_to_local_clock(request: Any = None, **_: Any) -> None:
+    """``task_received``: move a deferred task's ``eta`` from Redis time to this clock."""
+    try:
+        headers = request.request_dict or {}
+        eta = request.eta
+        if eta is None or not headers.get("ratelimit_deferrals"):
+            return
+        offset = _measured_offset(request.task.app)
+        if offset:
+            request._eta = eta - datetime.timedelta(seconds=offset)
+    except Exception as exc:  # never break message handling; the plain ETA still works
+        logger.debug("ratelimit: could not adjust the ETA of %s: %s", request, exc)
+
+
+signals.task_received.connect(_eta_to_local_clock, weak=False)
