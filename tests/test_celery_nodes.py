@@ -44,8 +44,11 @@ from tests.nodes import (
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
 RATE = "10/s"
-#: Body-time windows are shortened by this much (see the module docstring).
-JITTER_US = 150_000
+#: Body-time windows are shortened by this much (see the module docstring). A body
+#: runs 2-20 ms after its slot on a quiet machine; under load (other test suites on
+#: the same 2 cores) lateness of 150 ms has been seen. If every body runs within J of
+#: its grant, the grants bound every body window of W - J, so J is a lateness bound.
+JITTER_US = 250_000
 #: The drain may take at most this factor of the ideal (loose: the machine is shared).
 DRAIN_FACTOR = 1.5
 DEFERRED = re.compile(r"ratelimit: deferred (\S+)\[([0-9a-f-]+)\]")
@@ -58,9 +61,13 @@ def _failed(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture(scope="module")
 def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
-    """Three nodes on a private Redis broker with a Redis result backend, at 10/s."""
+    """Three nodes on a private Redis broker with a Redis result backend, at 10/s; the
+    limiter has a redis-server of its own, so its EVALSHA count is the limiter's."""
     with node_set(
-        tmp_path_factory.mktemp("nodes"), unique_prefix("redis-nodes"), rate=RATE
+        tmp_path_factory.mktemp("nodes"),
+        unique_prefix("redis-nodes"),
+        rate=RATE,
+        separate_limiter=True,
     ) as nodes:
         yield nodes
 
@@ -183,8 +190,13 @@ def drain(nodes: Nodes, name: str, count: int, timeout: float = 40.0) -> tuple[l
 def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     nodes: Nodes, form: str
 ) -> None:
-    ids, runs = drain(nodes, form, 60)
+    with nodes.redis() as client:
+        before = evalsha_calls(client)
+        ids, runs = drain(nodes, form, 60)
+        calls = evalsha_calls(client) - before
     figures = check_backlog(nodes, ids, runs, RATE, f"redis broker, {form}")
+    print(f"[redis broker, {form}] limiter calls {calls} = {calls / len(runs):.2f} per task")
+    assert calls / len(runs) <= 2.0
     assert figures["max_grants_in_window"] == 10  # the budget was used, not just respected
     assert figures["drain_ratio"] <= DRAIN_FACTOR
     # the backlog was 6x the limit: most tasks waited, and each deferred task was
@@ -377,7 +389,7 @@ def test_reservations_cost_at_most_two_limiter_calls_per_task(
             ids, runs = drain(nodes, "via_base", BACKLOG, timeout=90)
             calls = evalsha_calls(client)
         label = f"reservations {'on' if reserve else 'off'}"
-        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label, jitter_us=150_000)
+        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label, jitter_us=200_000)
         figures[reserve]["calls_per_task"] = calls / len(runs)
         print(
             f"[{label}] {BACKLOG} tasks at {BACKLOG_RATE}: limiter calls {calls} = "

@@ -46,6 +46,8 @@ def record(task: Any, **extra: Any) -> int:
         _client = redis.Redis.from_url(REDIS)
     seconds, micros = _client.time()
     now = seconds * 1_000_000 + micros
+    # `is not None`, not truth: a Decision is falsy unless `allowed`, and a task that
+    # waited in process for its reserved slot runs on a `reserved` (not allowed) one
     decision = getattr(task.request, "ratelimit_decision", None)
     _client.rpush(
         f"{PREFIX}:runs",
@@ -54,7 +56,7 @@ def record(task: Any, **extra: Any) -> int:
                 "id": task.request.id,
                 "task": task.name,
                 "t": now,
-                "granted": int(decision.at * 1_000_000) if decision else None,
+                "granted": int(decision.at * 1_000_000) if decision is not None else None,
                 "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,
                 "retries": task.request.retries,
                 "hostname": task.request.hostname,
