@@ -33,19 +33,35 @@ def check_cost(cost: object, where: str = "cost") -> int:
     return cost
 
 
+#: Characters that stay as they are in a template's literal text and that an argument
+#: value can never contain unescaped (values keep only ``[A-Za-z0-9_.@-]``, literals
+#: escape ``{}%#``; see ``_keys``): one of them must separate two fields.
+_SEPARATORS = frozenset(map(chr, range(0x21, 0x7F))) - set(
+    string.ascii_letters + string.digits + "_.@-{}%#"
+)
+
+
 def template_fields(template: str) -> tuple[str, ...]:
     """The argument names a key template refers to; validates its braces.
 
     Raises:
         InvalidLimit: unbalanced braces, an empty ``{}``, or a field that is not a plain
-            argument name or position (``{user.id}``, ``{x!r}`` and ``{x:>5}`` are refused).
+            argument name or position (``{user.id}``, ``{x!r}`` and ``{x:>5}`` are refused),
+            or two fields not separated by a character such as ``:`` (``{a}-{b}``).
     """
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
         raise InvalidLimit(f"bad key template {template!r}: {exc}") from None
     names: list[str] = []
-    for _literal, name, spec, conversion in parsed:
+    for literal, name, spec, conversion in parsed:
+        if name is not None and names and not set(literal) & _SEPARATORS:
+            # "{a}-{b}" would give ("x-y", "z") and ("x", "y-z") one key
+            raise InvalidLimit(
+                f"bad key template {template!r}: fields {{{names[-1]}}} and {{{name}}} "
+                "must be separated by ':' (or another character that argument values "
+                "cannot contain unescaped), or two different calls could share a key"
+            )
         if name is None:
             continue
         if not (name.isidentifier() or name.isdigit()) or spec or conversion:
