@@ -58,6 +58,11 @@ def client_from_url(
     if scheme in ("redis", "rediss", "unix"):
         options.setdefault("retry", Retry(NoBackoff(), 1))
         return redis.Redis.from_url(url, **timeouts, **options)
+    if scheme not in ("redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"):
+        raise InvalidLimit(
+            f"unknown Redis URL scheme {scheme!r} in {url!r}: expected redis, rediss, unix, "
+            "redis+sentinel or redis+cluster"
+        )
     parts = urlsplit(url)
     username, password, hosts = _hosts(parts.netloc, url)
     tls = scheme.startswith("rediss")
@@ -77,16 +82,11 @@ def client_from_url(
             retry=options.pop("retry", Retry(NoBackoff(), 1)),
             **options,
         )
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        return RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in hosts],  # type: ignore[no-untyped-call]
-            username=username,
-            password=password,
-            ssl=tls,
-            **timeouts,
-            **options,
-        )
-    raise InvalidLimit(
-        f"unknown Redis URL scheme {scheme!r} in {url!r}: expected redis, rediss, unix, "
-        "redis+sentinel or redis+cluster"
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in hosts],  # type: ignore[no-untyped-call]
+        username=username,
+        password=password,
+        ssl=tls,
+        **timeouts,
+        **options,
     )
