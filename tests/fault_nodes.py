@@ -117,10 +117,19 @@ class Fleet:
     nodes: list[Node] = field(default_factory=list)
     _producer: Celery | None = None
 
-    def add(self, count: int = 1, *, wrapper: Sequence[str] = (), **settings: str) -> list[Node]:
-        """Start ``count`` more nodes (``CRL_*`` settings as keywords) and wait for them."""
+    def add(
+        self,
+        count: int = 1,
+        *,
+        wrapper: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        **settings: str,
+    ) -> list[Node]:
+        """Start ``count`` more nodes (``CRL_*`` settings as keywords, other variables in
+        ``env``, a command prefix such as ``faketime`` in ``wrapper``); wait for them."""
         self.logdir.mkdir(parents=True, exist_ok=True)
         env = {
+            **(env or {}),
             "CRL_BROKER": self.broker_url,
             "CRL_REDIS": self.limiter_url,
             "CRL_RUNS": self.runs_url,

@@ -42,13 +42,17 @@ app.conf.update(
     ratelimit_redis_error_countdown=float(os.environ.get("CRL_ERROR_COUNTDOWN", "1")),
     ratelimit_max_countdown=float(os.environ.get("CRL_MAX_COUNTDOWN", "600")),
     broker_connection_retry_on_startup=True,
-    broker_transport_options={
-        "visibility_timeout": float(os.environ.get("CRL_VISIBILITY", "3600"))
-    },
     worker_prefetch_multiplier=1,
     task_acks_late=True,
     task_reject_on_worker_lost=True,
 )
+if os.environ.get("CRL_VISIBILITY"):
+    # a low visibility timeout, swept every second, redelivers a killed node's messages soon
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["CRL_VISIBILITY"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
 _client: redis.Redis | None = None
 
 

@@ -1,0 +1,397 @@
+"""Security and bad input: key isolation, least privilege (ACL), TLS, malformed input.
+
+Run with ``-s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from celery_ratelimit import (
+    InvalidLimit,
+    InvalidRate,
+    Limit,
+    Limiter,
+    LimiterUnavailable,
+    Rate,
+    RateLimitedTask,
+    install,
+    ratelimit,
+)
+from celery_ratelimit._keys import MAX_KEY, escape_key, redis_key, render
+from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE
+from celery_ratelimit._settings import check_app_settings
+from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
+from tests.redis_server import RedisServer, free_port, redis_binary
+
+LOG = Limit("3/200ms")
+
+# -- 8. key isolation ------------------------------------------------------------------
+
+values = st.one_of(
+    st.text(max_size=40), st.binary(max_size=40), st.integers(), st.sampled_from(["", ":", "}"])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.tuples(values, values), b=st.tuples(values, values))
+def test_two_field_keys_of_distinct_tenants_never_collide_or_move_the_tag(
+    a: tuple[object, object], b: tuple[object, object]
+) -> None:
+    template = "{tenant}:{region}:calls"
+    Limit("10/s", key=template)  # accepted: the fields are separated by ':'
+    ka = render(template, {"tenant": a[0], "region": a[1]}, ())
+    kb = render(template, {"tenant": b[0], "region": b[1]}, ())
+
+    def same(x: object, y: object) -> bool:
+        as_bytes = [
+            v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass") for v in (x, y)
+        ]
+        return as_bytes[0] == as_bytes[1]
+
+    assert (ka == kb) == (same(a[0], b[0]) and same(a[1], b[1]))
+    full = redis_key("ratelimit", ka, LOG)
+    assert full.count("{") == full.count("}") == 1
+    assert ka.count(":") == 2
+
+
+@pytest.mark.parametrize("template", ["{a}{b}", "t:{a}-{b}", "{a}_{b}", "{a} {b}", "{a}%{b}"])
+def test_templates_whose_fields_could_run_together_are_refused(template: str) -> None:
+    # "{a}-{b}" would give ("x-y", "z") and ("x", "y-z") the same key
+    with pytest.raises(InvalidLimit, match="must be separated"):
+        Limit("10/s", key=template)
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text(max_size=3000))
+def test_any_code_given_key_gives_one_hash_tag_and_a_bounded_printable_key(key: str) -> None:
+    limiter = Limiter(redis.Redis(), prefix="p")  # keys_for never talks to Redis
+    if not key:
+        with pytest.raises(InvalidLimit):
+            limiter.keys_for(key, LOG)
+        return
+    [full] = limiter.keys_for(key, LOG)
+    assert full.startswith("p:{") and full.count("{") == full.count("}") == 1
+    assert len(escape_key(key)) <= MAX_KEY
+    assert len(full) <= len("p:{}") + MAX_KEY + len(":log:") + 12
+    assert all(0x21 <= ord(c) <= 0x7E for c in full)
+
+
+# -- 9. least privilege -----------------------------------------------------------------
+
+#: Commands the worker side needs: EVALSHA and SCRIPT LOAD (redis-py's Script reloads on
+#: NOSCRIPT), TIME and PING (clock offset, _clock), DEL (Limiter.reset), and every
+#: command the scripts call (checked against the user's ACL too).
+ACL_COMMANDS = (
+    *("evalsha", "script|load", "time", "ping", "del", "pexpire", "hmget", "hset"),
+    *("zadd", "zcount", "zmscore", "zrangebyscore", "zrem", "zremrangebyscore"),
+    *("zrevrangebyscore", "zscore"),
+)
+
+
+def acl_line(commands: tuple[str, ...] = ACL_COMMANDS) -> str:
+    return (
+        "ACL SETUSER ratelimit on >{password} resetkeys ~ratelimit:* resetchannels -@all "
+        + " ".join(f"+{c}" for c in commands)
+    )
+
+
+ACL_LINE = acl_line()
+
+
+_round = itertools.count()
+
+
+def exercise(limiter: Limiter, admin: redis.Redis) -> None:
+    """Every operation a worker makes: grant, deny, reserve, confirm early and on time,
+    release, peek, reset, the counter algorithm, a script reload."""
+    admin.script_flush()
+    n = next(_round)
+    limit = Limit("2/300ms", key=f"acl:a{n}")
+    keys = limiter.keys_for(f"acl:a{n}", limit)
+    assert limiter.acquire(f"acl:a{n}", limit).allowed
+    assert limiter.acquire(f"acl:a{n}", limit).allowed
+    assert not limiter.acquire(f"acl:a{n}", limit).allowed
+    reserved = limiter.decide(keys, (limit,), 1, RESERVE)
+    assert reserved.reserved and reserved.token
+    early = limiter.decide(keys, (limit,), 1, CONFIRM, token=reserved.token)
+    assert early.reserved
+    time.sleep(reserved.retry_after + 0.01)
+    assert limiter.decide(keys, (limit,), 1, CONFIRM, token=reserved.token).allowed
+    limiter.decide(keys, (limit,), 1, ACQUIRE)
+    other = limiter.decide(keys, (limit,), 1, RESERVE)
+    assert other.reserved
+    limiter.decide(keys, (limit,), 1, RELEASE, token=other.token)  # removes the newest
+    limiter.decide(keys, (limit,), 1, RESERVE)  # which is then looked up again
+    limiter.decide(keys, (limit,), 1, PEEK)
+    limiter.decide(keys, (limit,), 1, ACQUIRE)
+    counter = Limit("2/300ms", key=f"acl:c{n}", algorithm="counter")
+    got = [limiter.acquire(f"acl:c{n}", counter) for _ in range(3)]
+    assert [d.allowed for d in got] == [True, True, False], got
+    limiter.reset(f"acl:a{n}", limit)
+    limiter.client.time()
+    limiter.client.ping()
+
+
+def test_an_acl_user_with_only_its_prefix_and_the_listed_commands_suffices(
+    redis_server: RedisServer,
+) -> None:
+    admin = redis_server.client()
+    admin.execute_command(*ACL_LINE.format(password="s3cret").split())
+    admin.set("other:secret", "x")
+    url = f"redis://ratelimit:s3cret@127.0.0.1:{redis_server.port}/0"
+    limiter = Limiter.from_url(url)
+    try:
+        exercise(limiter, admin)
+        user = limiter.client
+        # nothing outside its prefix, no other command
+        for command in (("GET", "other:secret"), ("SET", "other:x", "1"), ("KEYS", "*")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                user.execute_command(*command)
+        # not even through a script: the scripts' commands are checked against the ACL
+        with pytest.raises(LimiterUnavailable, match=r"(?i)permission"):
+            Limiter(user, prefix="other").acquire("x", "10/s")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.eval("return redis.call('GET', KEYS[1])", 1, "ratelimit:x")
+        assert admin.get("other:secret") == b"x"
+        # and each listed command is needed by some operation
+        unneeded = []
+        for command in ACL_COMMANDS:
+            line = acl_line(tuple(c for c in ACL_COMMANDS if c != command)).format(
+                password="s3cret"
+            )
+            admin.execute_command(*line.split())
+            try:
+                exercise(Limiter.from_url(url), admin)
+            except (LimiterUnavailable, redis.exceptions.NoPermissionError):
+                continue
+            unneeded.append(command)
+        print(f"\n[ACL] {ACL_LINE}\ncommands no operation needed: {unneeded}")
+        assert unneeded == [], unneeded
+    finally:
+        admin.execute_command("ACL", "DELUSER", "ratelimit")
+        admin.delete("other:secret")
+        admin.close()
+        limiter.client.close()
+
+
+# -- 10. TLS ----------------------------------------------------------------------------
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """A redis-server on TLS only, its certificate signed by a CA made here."""
+    d = tmp_path_factory.mktemp("tls")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+            "-out", "ca.crt", "-days", "1", "-subj", "/CN=crl-test-ca", cwd=d)  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
+            "-out", "server.csr", "-subj", "/CN=localhost", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext",
+            cwd=d)  # fmt: skip
+    port = free_port()
+    binary = redis_binary()
+    assert binary is not None
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+         "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
+         "--save", "", "--dir", str(d)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(d / "ca.crt"))
+                client.ping()
+                client.close()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.skip("this redis-server cannot serve TLS")
+                time.sleep(0.05)
+        yield port, d / "ca.crt"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_rediss_verifies_the_certificate_by_default(tls_server: tuple[int, Path]) -> None:
+    port, ca = tls_server
+    unverified = Limiter.from_url(f"rediss://127.0.0.1:{port}/0")
+    with pytest.raises(LimiterUnavailable, match=r"(?i)certificate verify failed"):
+        unverified.acquire("tls", "5/s")
+    plain = Limiter.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5)
+    with pytest.raises(LimiterUnavailable):
+        plain.acquire("tls", "5/s")
+    limiter = Limiter.from_url(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}")
+    assert [limiter.acquire("tls", "2/s").allowed for _ in range(3)] == [True, True, False]
+    # a name that is not in the certificate is refused too
+    wrong_host = Limiter.from_url(f"rediss://localhost.localdomain:{port}/0?ssl_ca_certs={ca}")
+    with pytest.raises(LimiterUnavailable):
+        wrong_host.acquire("tls", "2/s")
+    for lim in (unverified, plain, limiter, wrong_host):
+        lim.client.close()
+
+
+# -- 11. bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("declare", "error", "names"),
+    [
+        (lambda: ratelimit("ten/s"), InvalidRate, "'ten/s'"),
+        (lambda: ratelimit("10/s", key="api:{"), InvalidLimit, "'api:{'"),
+        (lambda: ratelimit("10/s", cost=0), InvalidLimit, "0"),
+        (lambda: ratelimit("10/s", cost=11), InvalidLimit, "11"),
+        (lambda: ratelimit("10/s", cost="1"), TypeError, "'1'"),
+        (lambda: ratelimit([]), InvalidLimit, "empty"),
+        (lambda: ratelimit([Limit("1/s"), "5"]), InvalidRate, "'5'"),
+        (lambda: ratelimit("10/s", max_deferrals=-1), InvalidLimit, "-1"),
+        (lambda: ratelimit("10/s", on_redis_error="ignore"), InvalidLimit, "'ignore'"),
+        (lambda: Limiter(redis.Redis(), prefix="x{y}"), InvalidLimit, "'x{y}'"),
+        (lambda: Limiter.from_url("http://x"), InvalidLimit, "'http'"),
+        (lambda: Limiter.from_url("redis+sentinel://h:1"), InvalidLimit, "master name"),
+        (lambda: Limiter.from_url("redis+cluster://h:port"), InvalidLimit, "'h:port'"),
+    ],
+)
+def test_bad_declarations_fail_at_import_time_naming_the_value(
+    declare: object, error: type[Exception], names: str
+) -> None:
+    with pytest.raises(error) as info:
+        declare()  # type: ignore[operator]
+    assert names in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ratelimit_on_redis_error", "ignore"),
+        ("ratelimit_max_countdown", 0),
+        ("ratelimit_max_countdown", "600"),
+        ("ratelimit_max_deferrals", 1.5),
+        ("ratelimit_reserve", "yes"),
+        ("ratelimit_guard", -1),
+        ("ratelimit_key_prefix", ""),
+        ("ratelimit_rules", ["10/s"]),
+        ("ratelimit_redis_url", 6379),
+        ("ratelimit_warning_intervall", 60),
+    ],
+)
+def test_bad_settings_fail_at_install_naming_the_setting(name: str, value: object) -> None:
+    app = Celery("bad", set_as_current=False)
+    app.conf[name] = value
+    with pytest.raises(InvalidLimit) as info:
+        install(app)
+    assert name in str(info.value)
+    with pytest.raises(InvalidLimit):
+        check_app_settings(app)
+
+
+def test_bad_rules_and_a_bad_base_class_rate_fail_when_declared() -> None:
+    app = Celery("bad", set_as_current=False)
+    app.conf.ratelimit_rules = {"proj.*": "10 per second"}
+    with pytest.raises(InvalidRate, match="'10 per second'"):
+        install(app)
+    with pytest.raises(InvalidRate, match="'fast'"):
+
+        @app.task(base=RateLimitedTask, ratelimit="fast", shared=False)
+        def t() -> None: ...
+
+        _ = t.ratelimit  # Celery builds the task class lazily
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    text=st.one_of(
+        st.text(max_size=30),
+        st.from_regex(
+            r"\s*-?\d{0,14}\s*/\s*\d{0,4}(\.\d{0,8})?\s*[a-zA-Z]{0,8}\s*", fullmatch=True
+        ),
+    )
+)
+def test_the_rate_parser_raises_only_invalid_rate(text: str) -> None:
+    try:
+        rate = Rate.parse(text)
+    except InvalidRate as exc:
+        assert repr(text) in str(exc) or "rate" in str(exc)
+        return
+    assert rate.limit >= 1 and rate.window_us >= 1000
+    assert Rate.parse(str(rate)) == rate
+
+
+@settings(max_examples=400, deadline=None)
+@given(template=st.text(max_size=40), value=st.one_of(st.text(max_size=20), st.binary(max_size=20)))
+def test_the_key_builder_raises_only_documented_errors(template: str, value: object) -> None:
+    try:
+        limit = Limit("10/s", key=template)
+    except InvalidLimit:
+        return
+    arguments = dict.fromkeys(limit.fields, value)
+    try:
+        key = render(template, arguments, (value,) * 3)
+    except InvalidLimit as exc:  # a position beyond the call's arguments
+        assert "positional" in str(exc)
+        return
+    full = redis_key("p", key, limit)
+    assert full.count("{") == full.count("}") == 1
+    assert len(key) <= MAX_KEY
+
+
+@pytest.mark.celery
+@pytest.mark.timeout(60)
+def test_errors_only_a_call_can_reveal_fail_the_task_without_deferring_it(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    broker, limiter = RedisServer(), RedisServer()
+    fleet = Fleet(
+        tmp_path,
+        broker_url=f"redis://127.0.0.1:{broker.port}/1",
+        limiter_url=limiter.url,
+        runs_url=f"redis://127.0.0.1:{broker.port}/3",
+        prefix=unique_prefix("bad-calls"),
+    )
+    try:
+        fleet.add(1)
+        cases = {
+            fleet.send("zero_cost", 1): "must be a positive int, got 0",
+            fleet.send("bad_key_function", 1): "returned None",
+            fleet.send("too_few_arguments", "only-one"): "needs positional argument 1",
+        }
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            failed = fleet.grep("raised unexpected")
+            if all(any(i in line for line in failed) for i in cases):
+                break
+            time.sleep(0.2)
+        failed = fleet.grep("raised unexpected")
+        for task_id, message in cases.items():
+            lines = [line for line in failed if task_id in line]
+            assert lines and message in lines[0], (task_id, message, lines)
+        assert not deferred_ids(fleet.grep("ratelimit: deferred ")) & set(cases)
+        assert not fleet.runs()
+        print(
+            "\n[bad calls] "
+            + "; ".join(line.split("raised unexpected: ")[1][:110] for line in failed)
+        )
+    finally:
+        print_on_failure(request, fleet)
+        fleet.stop()
+        broker.close()
+        limiter.close()
