@@ -103,4 +103,5 @@ class Rate:
             return f"{self.limit}/s"
         if self.window_us % 1_000_000 == 0:
             return f"{self.limit}/{self.window_us // 1_000_000}s"
-        return f"{self.limit}/{self.window_us / 1_000_000:g}s"
+        # exact, so that Rate.parse(str(rate)) == rate (":g" kept 6 digits)
+        return f"{self.limit}/{Decimal(self.window_us) / 1_000_000:f}s"
