@@ -63,13 +63,18 @@ def _measured_offset(app: Any) -> float | None:
         return _offset
     _measured_at = time.monotonic()
     try:
-        before = time.time()
-        seconds, micros = limiter_for(app).client.time()
-        after = time.time()
+        client = limiter_for(app).client
+        client.ping()  # connect first: a connection set up inside the sample skews it
+        samples = []
+        for _ in range(3):
+            before = time.time()
+            seconds, micros = client.time()
+            after = time.time()
+            samples.append((after - before, seconds + micros / 1_000_000 - (before + after) / 2))
     except Exception as exc:  # keep the last offset; try again after OFFSET_TTL
         logger.debug("ratelimit: could not read Redis TIME: %s", exc)
         return _offset
-    _offset = seconds + micros / 1_000_000 - (before + after) / 2
+    _offset = min(samples)[1]  # the sample with the shortest round trip
     return _offset
 
 

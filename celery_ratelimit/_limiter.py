@@ -228,11 +228,12 @@ class Limiter:
         """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
 
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
-        per-call cap checked together). ``guard`` (seconds) widens each window by that
-        much, at most 2% of it, so that work starting a little after its grant still
-        fits the window as seen downstream (the Celery layer's ``ratelimit_guard``).
+        per-call cap checked together). ``guard`` (seconds; at most 2% of each window is
+        used) widens the windows in which calls are *placed*, while a confirmed
+        reservation starts as soon as its cost fits the plain window: a task that
+        starts up to ``guard`` after its slot then costs no extra wait (the Celery
+        layer's ``ratelimit_guard``).
         """
-        guard_us = int(guard * 1_000_000)
         if isinstance(cost, int):
             costs = [cost] * len(limits)
         elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
@@ -245,6 +246,7 @@ class Limiter:
             bytes.fromhex(token) if token else os.urandom(8),
             mode,
             int(horizon * 1_000_000),
+            int(guard * 1_000_000),
         ]
         for limit, one in zip(limits, costs, strict=True):
             check_cost(one)
@@ -253,8 +255,7 @@ class Limiter:
                     f"cost {one} is greater than the limit of {limit.label}: "
                     "such a call could never run"
                 )
-            window = limit.rate.window_us
-            args += (limit.rate.limit, window + min(guard_us, window // 50), one)
+            args += (limit.rate.limit, limit.rate.window_us, one)
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "

@@ -103,6 +103,11 @@ class Metrics:
             for limit in (decision.limit,) if decision.limit is not None else limits:
                 self.denied.labels(limit.label).inc()
 
+    def held(self, limits: Iterable[Limit]) -> None:
+        """A fresh reservation waited for in-process (no deferral): it is pending too."""
+        for limit in limits:
+            self.reservations.labels(limit.label).inc()
+
     def deferral(self, limits: Iterable[Limit], denied_by: Limit | None, reserved: bool) -> None:
         """Record one deferral, against the limit that denied it (else every limit),
         and the new slot it reserved, if any."""

@@ -7,7 +7,8 @@
 -- ARGV[2]   mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
 --           (reservations are log-only, see README); mode 4 releases nothing.
 -- ARGV[3]   horizon, microseconds (unused)
--- ARGV[1+3i], ARGV[2+3i], ARGV[3+3i]   for KEYS[i]: limit (weight units), window
+-- ARGV[4]   guard, microseconds (unused: fixed windows stay aligned to their length)
+-- ARGV[2+3i], ARGV[3+3i], ARGV[4+3i]   for KEYS[i]: limit (weight units), window
 --           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, as sliding_log.lua:
@@ -34,9 +35,9 @@ end
 local wids, cur, prev, limits, windows, costs = {}, {}, {}, {}, {}, {}
 local at, denied_by, remaining, reset = now, 0, nil, 0
 for i = 1, n do
-  local limit = tonumber(ARGV[1 + 3 * i])
-  local window = tonumber(ARGV[2 + 3 * i])
-  local cost = tonumber(ARGV[3 + 3 * i])
+  local limit = tonumber(ARGV[2 + 3 * i])
+  local window = tonumber(ARGV[3 + 3 * i])
+  local cost = tonumber(ARGV[4 + 3 * i])
   costs[i] = cost
   local wid = math.floor(now / window)
   local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')

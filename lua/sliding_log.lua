@@ -19,7 +19,10 @@
 --                 3 confirm the reservation held by ARGV[1]; acts as mode 1 if it is gone
 --                 4 release the reservation held by ARGV[1] (if still in the future)
 -- ARGV[3]   horizon, microseconds: no reservation is made further ahead than this
--- ARGV[1+3i], ARGV[2+3i], ARGV[3+3i]   for KEYS[i]: limit (weight units), window
+-- ARGV[4]   guard, microseconds: every window W is placed as W + min(guard, W / 50),
+--           while a confirmed reservation starts as soon as its cost fits the plain
+--           W; the difference absorbs tasks that start a little after their slot
+-- ARGV[2+3i], ARGV[3+3i], ARGV[4+3i]   for KEYS[i]: limit (weight units), window
 --           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}
@@ -48,6 +51,7 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
 local mode = tonumber(ARGV[2])
 local horizon = tonumber(ARGV[3])
+local guard = tonumber(ARGV[4])
 local n = #KEYS
 
 local function weight(m)
@@ -75,14 +79,15 @@ end
 
 -- Read each key's meta members; prune expired entries (not when peeking).
 -- dirty[i]: the total stored in Redis is stale and must be written back.
-local limits, windows, costs, members, totals, newest, units, expiry, dirty =
-  {}, {}, {}, {}, {}, {}, {}, {}, {}
+local limits, windows, exact, costs, members, totals, newest, units, expiry, dirty =
+  {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
 for i = 1, n do
   local key = KEYS[i]
-  local window = tonumber(ARGV[2 + 3 * i])
-  limits[i] = tonumber(ARGV[1 + 3 * i])
-  windows[i] = window
-  local cost = tonumber(ARGV[3 + 3 * i])
+  local plain = tonumber(ARGV[3 + 3 * i])
+  local window = plain + math.min(guard, math.floor(plain / 50))
+  limits[i] = tonumber(ARGV[2 + 3 * i])
+  windows[i], exact[i] = window, plain
+  local cost = tonumber(ARGV[4 + 3 * i])
   costs[i] = cost
   if cost == 1 then members[i] = token else members[i] = token .. '.' .. cost end
   local meta = redis.call('ZMSCORE', key, '', '+', '=', '~')
@@ -158,6 +163,48 @@ local function remove_entry(only_future)
   end
 end
 
+-- The earliest instant at which `excess` weight has left key i's window of `window`
+-- microseconds, walking the entries in (now - window, upto] from the oldest,
+-- skipping `skip` (a member) if given.
+local function free_at(i, excess, window, upto, skip)
+  local offset, batch = 0, math.min(excess, 64)
+  local floor = '(' .. num(now - window)
+  while true do
+    local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, upto, 'WITHSCORES', 'LIMIT', offset, batch)
+    for j = 1, #rows, 2 do
+      if rows[j] ~= skip then
+        excess = excess - weight(rows[j])
+        if excess <= 0 then
+          return tonumber(rows[j + 1]) + window
+        end
+      end
+    end
+    if #rows < 2 * batch then
+      -- The running total disagrees with the entries (only a hand-edited key can
+      -- do this): wait one whole window, which is always safe.
+      return now + window
+    end
+    offset = offset + batch
+    batch = math.min(batch * 2, 1024)
+  end
+end
+
+-- Keep key i's expiry and newest-entry meta in step with an entry placed at t.
+local function extend(i, t, write)
+  if t > newest[i] then
+    newest[i] = t
+    put(write, -t, '+')
+  end
+  if t + windows[i] > expiry[i] then
+    local ttl = math.ceil((t + windows[i] - now) / 1000) + TTL_MARGIN_MS
+    put(write, -(now + ttl * 1000), '~')
+    redis.call('ZADD', KEYS[i], unpack(write))
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  else
+    redis.call('ZADD', KEYS[i], unpack(write))
+  end
+end
+
 if mode == 3 or mode == 4 then
   local at, held = nil, true
   for i = 1, n do
@@ -173,45 +220,54 @@ if mode == 3 or mode == 4 then
     flush()
     return summary(4, now, 0, 0)
   end
-  if held then
+  if held and at > now then
     flush()
-    if at > now then
-      return summary(3, at, at - now, 0)
+    return summary(3, at, at - now, 0)
+  end
+  if held then
+    -- Due. Its slot was placed from other entries' slots, and a task can start late:
+    -- entries move to the instant their task starts, so count what is really in
+    -- (now - W, now] and start now only if this cost still fits there; else hold
+    -- the earliest instant at which it does (the caller waits, then confirms again).
+    local start = now
+    for i = 1, n do
+      local floor = '(' .. num(now - exact[i])
+      local used = -costs[i]
+      if units[i] > 0 then
+        used = used + redis.call('ZCOUNT', KEYS[i], floor, num(now)) * units[i]
+      else
+        local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, num(now))
+        for j = 1, #rows do used = used + weight(rows[j]) end
+      end
+      local excess = used + costs[i] - limits[i]
+      if excess > 0 then
+        local s = free_at(i, excess, exact[i], num(now), members[i])
+        if s > start then start = s end
+      end
     end
-    return summary(1, at, 0, 0)
+    for i = 1, n do
+      local write = {start, members[i]}
+      if dirty[i] then
+        put(write, totals[i], '')
+        dirty[i] = nil
+      end
+      extend(i, start, write)
+    end
+    if start > now then
+      return summary(3, start, start - now, 0)
+    end
+    return summary(1, now, 0, 0)
   end
   -- Lost (server restarted, key reset, slot long past): compete again as mode 1.
   remove_entry(false)
   mode = 1
 end
 
--- The earliest instant at which `excess` weight has left key i's window.
-local function free_at(i, excess)
-  local offset, batch = 0, math.min(excess, 64)
-  local floor = '(' .. num(now - windows[i])
-  while true do
-    local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, '+inf', 'WITHSCORES', 'LIMIT', offset, batch)
-    for j = 1, #rows, 2 do
-      excess = excess - weight(rows[j])
-      if excess <= 0 then
-        return tonumber(rows[j + 1]) + windows[i]
-      end
-    end
-    if #rows < 2 * batch then
-      -- The running total disagrees with the entries (only a hand-edited key can
-      -- do this): wait one whole window, which is always safe.
-      return now + windows[i]
-    end
-    offset = offset + batch
-    batch = math.min(batch * 2, 1024)
-  end
-end
-
 local at, denied_by = now, 0
 for i = 1, n do
   local excess = totals[i] + costs[i] - limits[i]
   if excess > 0 then
-    local s = free_at(i, excess)
+    local s = free_at(i, excess, windows[i], '+inf')
     if s > at then
       at, denied_by = s, i
     end
@@ -244,17 +300,6 @@ for i = 1, n do
     put(write, 0, '=')
   end
   totals[i] = totals[i] + cost
-  if at > newest[i] then
-    newest[i] = at
-    put(write, -at, '+')
-  end
-  if at + windows[i] > expiry[i] then
-    local ttl = math.ceil((at + windows[i] - now) / 1000) + TTL_MARGIN_MS
-    put(write, -(now + ttl * 1000), '~')
-    redis.call('ZADD', key, unpack(write))
-    redis.call('PEXPIRE', key, ttl)
-  else
-    redis.call('ZADD', key, unpack(write))
-  end
+  extend(i, at, write)
 end
 return summary(status, at, at - now, denied_by)

@@ -217,6 +217,13 @@ class Nodes:
         with self.redis() as client:
             client.delete(f"{self.prefix}:runs")
 
+    def clear_budgets(self) -> None:
+        """Forget every budget under the prefix, so a test does not start behind the
+        previous test's entries (which stay in their windows for a while)."""
+        with self.redis() as client:
+            for key in client.scan_iter(f"{self.prefix}:{{*"):
+                client.delete(key)
+
     def wait_for_runs(
         self, ids: Iterable[str], timeout: float, settle: float = 0.5
     ) -> list[dict[str, Any]]:

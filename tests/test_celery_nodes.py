@@ -77,6 +77,7 @@ def nodes(redis_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]
     """The module's nodes with an empty runs list; their logs are printed on failure."""
     marks = redis_nodes.log_marks()
     redis_nodes.clear_runs()
+    redis_nodes.clear_budgets()
     yield redis_nodes
     if _failed(request):
         print(redis_nodes.logs_since(marks))

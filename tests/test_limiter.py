@@ -368,9 +368,38 @@ def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
     # not yet: retry_after is the time left until the reserved slot
     assert us(held.at) - after <= us(early.retry_after) <= us(held.at) - before
     sleep_until(redis_client, us(held.at))
+    before = server_us(redis_client)
     due = limiter.confirm(held.token, "confirm", rate)
-    assert due.allowed and due.at == held.at
-    assert entries(redis_client, key) == [(us(held.at), 1)]  # counted once, the rest left
+    after = server_us(redis_client)
+    # allowed, and its entry moved from the slot to the instant it really started
+    assert due.allowed and us(held.at) <= before <= us(due.at) <= after
+    assert entries(redis_client, key) == [(us(due.at), 1)]  # counted once, the rest left
+
+
+def test_a_late_start_is_counted_where_it_happened_and_the_next_slot_waits_for_it(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    rate = Limit("1/300ms")
+    key = log_key(limiter, "late", rate)
+    assert limiter.acquire("late", rate).allowed
+    first = limiter.acquire("late", rate, reserve=True)  # slot at +300 ms
+    second = limiter.acquire("late", rate, reserve=True)  # slot at +600 ms
+    assert us(second.at) - us(first.at) == 300_000
+    # the first reserved task starts 150 ms late, the second exactly on its slot
+    sleep_until(redis_client, us(first.at) + 150_000)
+    late = limiter.confirm(first.token, "late", rate)
+    assert late.allowed and us(late.at) >= us(first.at) + 150_000
+    sleep_until(redis_client, us(second.at))
+    early = limiter.confirm(second.token, "late", rate)
+    # starting on its slot would put two starts within 300 ms: it must wait for the
+    # late one to leave the window, and holds that instant instead
+    assert not early.allowed and early.reserved
+    assert us(early.at) == us(late.at) + 300_000
+    sleep_until(redis_client, us(early.at))
+    ok = limiter.confirm(second.token, "late", rate)
+    assert ok.allowed
+    assert us(ok.at) - us(late.at) >= 300_000
+    assert [t for t, _ in entries(redis_client, key)] == [us(ok.at)]  # the late one has left
 
 
 def test_confirm_after_a_redis_restart_competes_again(
