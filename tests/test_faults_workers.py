@@ -74,8 +74,16 @@ def test_killed_workers_lose_no_task_and_the_budget_holds(fleet: Fleet) -> None:
     counts = tally(ids, runs)
     lost_workers = len(fleet.grep("WorkerLostError")) - busy_before
     reran = [i for i, n in Counter(r["id"] for r in runs).items() if n > 1]
-    records = fleet.runs()
-    done = {r["id"] for r in records if r.get("done")}
+    # a body killed mid-run has a start record; wait for every task to complete too
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        records = fleet.runs()
+        done = {r["id"] for r in records if r.get("done")}
+        if done >= set(ids):
+            break
+        time.sleep(0.2)
+    runs = [r for r in records if not r.get("done")]
+    counts = tally(ids, runs)
     interrupted = Counter(r["id"] for r in records if not r.get("done")) - Counter(
         r["id"] for r in records if r.get("done")
     )
