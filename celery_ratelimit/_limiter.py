@@ -21,6 +21,8 @@ ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED = 0, 1, 2, 3, 4
 
 DEFAULT_PREFIX = "ratelimit"
+#: Suffix of the key holding a log's pending reservations (see lua/sliding_log.lua).
+PENDING = ":r"
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
@@ -161,7 +163,10 @@ class Limiter:
     def reset(self, key: str, limits: LimitSpec) -> int:
         """Forget everything counted for ``key`` under ``limits``; returns keys deleted."""
         try:
-            return sum(int(self.client.delete(k)) for k in self.keys_for(key, limits))
+            keys = self.keys_for(key, limits)
+            for k in keys:
+                self.client.delete(k + PENDING)
+            return sum(int(self.client.delete(k)) for k in keys)
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
 
@@ -262,7 +267,11 @@ class Limiter:
                 f"segment) on Redis Cluster, got keys {keys}"
             )
         try:
-            reply = self._scripts[limits[0].algorithm](keys=keys, args=args)
+            algorithm = limits[0].algorithm
+            if algorithm == "log":  # each log has a set of its pending reservations
+                reply = self._scripts["log"](keys=[*keys, *(k + PENDING for k in keys)], args=args)
+            else:
+                reply = self._scripts[algorithm](keys=keys, args=args)
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
         status, remaining, retry_us, reset_us, denied_by, at_us = (int(x) for x in reply)

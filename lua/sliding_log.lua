@@ -12,11 +12,14 @@
 --                 is uniform, pruning needs only ZREMRANGEBYSCORE's count
 --             "~" minus the instant the key's PEXPIRE runs out; PEXPIRE is sent
 --                 again only when a new entry outlives it
+-- KEYS[n+i] the pending set of limit i: the reservations whose task has not started
+--           yet (same member, score = its slot). A start is checked against what
+--           really started: the log's entries minus the pending ones. n = #KEYS / 2.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
 -- ARGV[2]   mode: 0 acquire now or deny
 --                 1 acquire now, else reserve the earliest instant that fits
 --                 2 peek: decide as mode 0 but write nothing
---                 3 confirm the reservation held by ARGV[1]; acts as mode 1 if it is gone
+--                 3 start the task that holds the reservation ARGV[1] (see below)
 --                 4 release the reservation held by ARGV[1] (if still in the future)
 -- ARGV[3]   horizon, microseconds: no reservation is made further ahead than this
 -- ARGV[4]   guard, microseconds: every window W is placed as W + min(guard, W / 50),
@@ -41,6 +44,15 @@
 -- every window that contains s lies inside (s - W, +inf), and g never grows with
 -- s, so the earliest such s is found by walking entries from the oldest until
 -- enough weight has left. retry_after is exact: it is that walk's answer.
+--
+-- Starting a reserved task (mode 3). Not before its slot (status 3 until then). At or
+-- after it, the task starts now if its cost fits the plain window (now - W, now]
+-- counting only what really started there (immediate grants and started
+-- reservations; slots whose task has not come yet are not starts); its entry then
+-- moves to now. Otherwise it holds the earliest instant at which it fits (status 3).
+-- A late task thus never bunches with the next ones, and a reservation lost to a
+-- restart or to lateness longer than the window still starts as soon as it fits,
+-- instead of going to the back of the queue, so an overloaded pool keeps draining.
 
 local ENTRY_FLOOR = 1e13
 local TOKEN_LEN = 8
@@ -52,7 +64,7 @@ local token = ARGV[1]
 local mode = tonumber(ARGV[2])
 local horizon = tonumber(ARGV[3])
 local guard = tonumber(ARGV[4])
-local n = #KEYS
+local n = #KEYS / 2
 
 local function weight(m)
   if #m > TOKEN_LEN then
@@ -148,9 +160,10 @@ local function flush()
   end
 end
 
--- Remove this call's entry from every key (used by release and stale reservations).
+-- Remove this call's entry from every key (used by release).
 local function remove_entry(only_future)
   for i = 1, n do
+    redis.call('ZREM', KEYS[n + i], members[i])
     local s = redis.call('ZSCORE', KEYS[i], members[i])
     if s and (not only_future or tonumber(s) > now) then
       redis.call('ZREM', KEYS[i], members[i])
@@ -163,26 +176,23 @@ local function remove_entry(only_future)
   end
 end
 
--- The earliest instant at which `excess` weight has left key i's window of `window`
--- microseconds, walking the entries in (now - window, upto] from the oldest,
--- skipping `skip` (a member) if given.
-local function free_at(i, excess, window, upto, skip)
+-- The earliest instant at which `excess` weight has left key i's (placement) window,
+-- walking its entries from the oldest.
+local function free_at(i, excess)
   local offset, batch = 0, math.min(excess, 64)
-  local floor = '(' .. num(now - window)
+  local floor = '(' .. num(now - windows[i])
   while true do
-    local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, upto, 'WITHSCORES', 'LIMIT', offset, batch)
+    local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, '+inf', 'WITHSCORES', 'LIMIT', offset, batch)
     for j = 1, #rows, 2 do
-      if rows[j] ~= skip then
-        excess = excess - weight(rows[j])
-        if excess <= 0 then
-          return tonumber(rows[j + 1]) + window
-        end
+      excess = excess - weight(rows[j])
+      if excess <= 0 then
+        return tonumber(rows[j + 1]) + windows[i]
       end
     end
     if #rows < 2 * batch then
       -- The running total disagrees with the entries (only a hand-edited key can
       -- do this): wait one whole window, which is always safe.
-      return now + window
+      return now + windows[i]
     end
     offset = offset + batch
     batch = math.min(batch * 2, 1024)
@@ -205,69 +215,94 @@ local function extend(i, t, write)
   end
 end
 
-if mode == 3 or mode == 4 then
-  local at, held = nil, true
+-- Put this call's entry at t in key i: moved if it is there, else added (its weight
+-- joins the running total).
+local function place(i, t)
+  local write = {t, members[i]}
+  if not redis.call('ZSCORE', KEYS[i], members[i]) then
+    local cost = costs[i]
+    if totals[i] == 0 then
+      put(write, cost, '=')
+    elseif units[i] ~= 0 and units[i] ~= cost then
+      put(write, 0, '=')
+    end
+    totals[i] = totals[i] + cost
+    dirty[i] = true
+  end
+  if dirty[i] then
+    put(write, totals[i], '')
+    dirty[i] = nil
+  end
+  extend(i, t, write)
+end
+
+-- Keep the pending entry of key i at t (or drop it: t == nil), pruning slots whose
+-- window has passed.
+local function pend(i, t)
+  local key = KEYS[n + i]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now - windows[i]))
+  if t == nil then
+    redis.call('ZREM', key, members[i])
+  else
+    redis.call('ZADD', key, t, members[i])
+    redis.call('PEXPIRE', key, math.ceil((t + windows[i] - now) / 1000) + TTL_MARGIN_MS)
+  end
+end
+
+if mode == 4 then
+  remove_entry(true)
+  flush()
+  return summary(4, now, 0, 0)
+end
+
+if mode == 3 then
+  local slot = redis.call('ZSCORE', KEYS[n + 1], members[1])
+  slot = slot and tonumber(slot)
+  if slot and slot > now then
+    flush()
+    return summary(3, slot, slot - now, 0)
+  end
+  -- Due, late or lost: count what really started in (now - W, now].
+  local start = now
   for i = 1, n do
-    local s = redis.call('ZSCORE', KEYS[i], members[i])
-    if not s or tonumber(s) <= now - windows[i] then
-      held = false
-    else
-      at = tonumber(s)
+    local lo, hi = '(' .. num(now - exact[i]), num(now)
+    local pending = redis.call('ZRANGEBYSCORE', KEYS[n + i], lo, hi)
+    local skip = {[members[i]] = true}
+    for j = 1, #pending do skip[pending[j]] = true end
+    local rows = redis.call('ZRANGEBYSCORE', KEYS[i], lo, hi, 'WITHSCORES')
+    local started = 0
+    for j = 1, #rows, 2 do
+      if not skip[rows[j]] then started = started + weight(rows[j]) end
     end
-  end
-  if mode == 4 then
-    remove_entry(true)
-    flush()
-    return summary(4, now, 0, 0)
-  end
-  if held and at > now then
-    flush()
-    return summary(3, at, at - now, 0)
-  end
-  if held then
-    -- Due. Its slot was placed from other entries' slots, and a task can start late:
-    -- entries move to the instant their task starts, so count what is really in
-    -- (now - W, now] and start now only if this cost still fits there; else hold
-    -- the earliest instant at which it does (the caller waits, then confirms again).
-    local start = now
-    for i = 1, n do
-      local floor = '(' .. num(now - exact[i])
-      local used = -costs[i]
-      if units[i] > 0 then
-        used = used + redis.call('ZCOUNT', KEYS[i], floor, num(now)) * units[i]
-      else
-        local rows = redis.call('ZRANGEBYSCORE', KEYS[i], floor, num(now))
-        for j = 1, #rows do used = used + weight(rows[j]) end
-      end
-      local excess = used + costs[i] - limits[i]
-      if excess > 0 then
-        local s = free_at(i, excess, exact[i], num(now), members[i])
-        if s > start then start = s end
+    local excess = started + costs[i] - limits[i]
+    if excess > 0 then
+      for j = 1, #rows, 2 do
+        if not skip[rows[j]] then
+          excess = excess - weight(rows[j])
+          if excess <= 0 then
+            local s = tonumber(rows[j + 1]) + exact[i]
+            if s > start then start = s end
+            break
+          end
+        end
       end
     end
-    for i = 1, n do
-      local write = {start, members[i]}
-      if dirty[i] then
-        put(write, totals[i], '')
-        dirty[i] = nil
-      end
-      extend(i, start, write)
-    end
-    if start > now then
-      return summary(3, start, start - now, 0)
-    end
-    return summary(1, now, 0, 0)
   end
-  -- Lost (server restarted, key reset, slot long past): compete again as mode 1.
-  remove_entry(false)
-  mode = 1
+  for i = 1, n do
+    place(i, start)
+    if start > now then pend(i, start) else pend(i, nil) end
+  end
+  if start > now then
+    return summary(3, start, start - now, 0)
+  end
+  return summary(1, now, 0, 0)
 end
 
 local at, denied_by = now, 0
 for i = 1, n do
   local excess = totals[i] + costs[i] - limits[i]
   if excess > 0 then
-    local s = free_at(i, excess, windows[i], '+inf')
+    local s = free_at(i, excess)
     if s > at then
       at, denied_by = s, i
     end
@@ -301,5 +336,6 @@ for i = 1, n do
   end
   totals[i] = totals[i] + cost
   extend(i, at, write)
+  if status == 2 then pend(i, at) end
 end
 return summary(status, at, at - now, denied_by)
