@@ -24,7 +24,7 @@ from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable
 from ._keys import escape_key
 from ._limit import Limit, to_limits
-from ._limiter import PEEK, Limiter
+from ._limiter import PEEK, PENDING, Limiter
 from ._rate import Rate
 from ._settings import redis_url, setting
 
@@ -342,7 +342,7 @@ def reset(limiter: Limiter, key: str) -> list[str]:
             if (name := parse_key(limiter.prefix, _text(k))) is not None and name.key == wanted
         ]
         for redis_key in found:
-            limiter.client.delete(redis_key)
+            limiter.client.delete(redis_key, redis_key + PENDING)
     except redis.RedisError as exc:
         raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
     return sorted(found)
