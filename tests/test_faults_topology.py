@@ -169,8 +169,18 @@ def test_sentinel_failover_mid_drain_loses_no_task(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[RedisServer]]:
+    # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
+    # often above 55535: give each node a bus port of its own
     nodes = [
-        RedisServer("--cluster-enabled", "yes", "--cluster-node-timeout", "2000") for _ in range(3)
+        RedisServer(
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "2000",
+            "--cluster-port",
+            str(free_port()),
+        )
+        for _ in range(3)
     ]
     try:
         cli = redis_binary("redis-cli")
