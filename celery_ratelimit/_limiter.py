@@ -18,7 +18,7 @@ from ._scripts import source
 #: Script modes (ARGV[3]); see the header of lua/sliding_log.lua.
 ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
 #: Reply statuses.
-DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED = 0, 1, 2, 3, 4
+DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT = 0, 1, 2, 3, 4, 5
 
 DEFAULT_PREFIX = "ratelimit"
 #: Suffix of the key holding a log's pending reservations (see lua/sliding_log.lua).
@@ -275,6 +275,10 @@ class Limiter:
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
         status, remaining, retry_us, reset_us, denied_by, at_us = (int(x) for x in reply)
+        if status == SPENT:
+            # the reservation was already started on (a message delivered twice):
+            # this execution competes like a new call, with a token of its own
+            return self.decide(keys, limits, costs, RESERVE, horizon=horizon, guard=guard)
         return Decision(
             allowed=status == ALLOWED,
             remaining=remaining,

@@ -31,7 +31,8 @@
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
 --                3 the reservation is held but not yet due (retry_after = at - now),
---                4 released (or nothing to release)
+--                4 released (or nothing to release),
+--                5 (mode 3) a task already started on this reservation: acquire anew
 --   remaining    weight still free in the tightest limit, counting reservations
 --   retry_after  microseconds until this cost fits every limit (0 when allowed)
 --   reset_after  microseconds until every limit of the call is back to full
@@ -261,6 +262,15 @@ if mode == 3 then
   if slot and slot > now then
     flush()
     return summary(3, slot, slot - now, 0)
+  end
+  if not slot then
+    local used = redis.call('ZSCORE', KEYS[1], members[1])
+    if used and tonumber(used) <= now then
+      -- a task already started on this reservation: this is a second execution (a
+      -- message delivered again), which needs budget of its own
+      flush()
+      return summary(5, now, 0, 0)
+    end
   end
   -- Due, late or lost: count what really started in (now - W, now].
   local start = now
