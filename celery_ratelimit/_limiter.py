@@ -247,12 +247,7 @@ class Limiter:
             raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
-        args: list[Any] = [
-            bytes.fromhex(token) if token else os.urandom(8),
-            mode,
-            int(horizon * 1_000_000),
-            int(guard * 1_000_000),
-        ]
+        numbers = [mode, int(horizon * 1_000_000), int(guard * 1_000_000)]
         for limit, one in zip(limits, costs, strict=True):
             check_cost(one)
             if one > limit.rate.limit:
@@ -260,7 +255,9 @@ class Limiter:
                     f"cost {one} is greater than the limit of {limit.label}: "
                     "such a call could never run"
                 )
-            args += (limit.rate.limit, limit.rate.window_us, one)
+            numbers += (limit.rate.limit, limit.rate.window_us, one)
+        token_bytes = bytes.fromhex(token) if token else os.urandom(8)
+        args = [token_bytes, " ".join(map(str, numbers))]
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
@@ -274,7 +271,7 @@ class Limiter:
                 reply = self._scripts[algorithm](keys=keys, args=args)
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
-        status, remaining, retry_us, reset_us, denied_by, at_us = (int(x) for x in reply)
+        status, remaining, retry_us, reset_us, denied_by, at_us = map(int, reply.split())
         if status == SPENT:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
@@ -286,6 +283,6 @@ class Limiter:
             reset_after=reset_us / 1_000_000,
             limit=limits[denied_by - 1] if denied_by else None,
             reserved=status in (RESERVED, NOT_YET_DUE),
-            token=args[0].hex() if status in (RESERVED, NOT_YET_DUE) else None,
+            token=token_bytes.hex() if status in (RESERVED, NOT_YET_DUE) else None,
             at=at_us / 1_000_000,
         )

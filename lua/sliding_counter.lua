@@ -4,15 +4,16 @@
 --           c = weight counted in that window, p = weight counted in the window before.
 --           Memory is O(1) per key whatever the limit.
 -- ARGV[1]   token (unused here; the reply shape and arguments match sliding_log.lua)
--- ARGV[2]   mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
+-- ARGV[2]   the numbers, decimal integers separated by spaces, as in sliding_log.lua:
+--   1       mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
 --           (reservations are log-only, see README); mode 4 releases nothing.
--- ARGV[3]   horizon, microseconds (unused)
--- ARGV[4]   guard, microseconds (unused: fixed windows stay aligned to their length)
--- ARGV[2+3i], ARGV[3+3i], ARGV[4+3i]   for KEYS[i]: limit (weight units), window
---           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
+--   2, 3    horizon and guard, microseconds (unused: fixed windows stay aligned)
+--   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--           this call's cost there (1 <= cost <= limit)
 --
--- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, as sliding_log.lua:
---   status 0 denied, 1 allowed, 4 released; times in microseconds; at = server time.
+-- Reply: "status remaining retry_after reset_after denied_by at" in one string, as
+--   sliding_log.lua: status 0 denied, 1 allowed, 4 released; times in microseconds;
+--   at = server time.
 --
 -- Estimate at time now, e microseconds into the current window of length W:
 --     estimate(now) = p * (W - e) / W + c
@@ -25,19 +26,25 @@ local TTL_MARGIN_MS = 1000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local mode = tonumber(ARGV[2])
+local numbers = {}
+for x in string.gmatch(ARGV[2], '%d+') do numbers[#numbers + 1] = tonumber(x) end
+local mode = numbers[1]
+
+local function reply(status, remaining, retry_after, reset, denied_by, at)
+  return string.format('%d %d %.0f %.0f %d %.0f', status, remaining, retry_after, reset, denied_by, at)
+end
 local n = #KEYS
 
 if mode == 4 then
-  return {4, 0, 0, 0, 0, now}
+  return reply(4, 0, 0, 0, 0, now)
 end
 
 local wids, cur, prev, limits, windows, costs = {}, {}, {}, {}, {}, {}
 local at, denied_by, remaining, reset = now, 0, nil, 0
 for i = 1, n do
-  local limit = tonumber(ARGV[2 + 3 * i])
-  local window = tonumber(ARGV[3 + 3 * i])
-  local cost = tonumber(ARGV[4 + 3 * i])
+  local limit = numbers[1 + 3 * i]
+  local window = numbers[2 + 3 * i]
+  local cost = numbers[3 + 3 * i]
   costs[i] = cost
   local wid = math.floor(now / window)
   local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')
@@ -85,9 +92,9 @@ if denied_by ~= 0 or mode == 2 then
   end
   if remaining < 0 then remaining = 0 end
   if denied_by ~= 0 then
-    return {0, remaining, at - now, reset, denied_by, now}
+    return reply(0, remaining, at - now, reset, denied_by, now)
   end
-  return {1, remaining, 0, reset, 0, now}
+  return reply(1, remaining, 0, reset, 0, now)
 end
 
 remaining = nil
@@ -102,4 +109,4 @@ for i = 1, n do
   if remaining == nil or free < remaining then remaining = free end
 end
 if remaining < 0 then remaining = 0 end
-return {1, remaining, 0, reset, 0, now}
+return reply(1, remaining, 0, reset, 0, now)

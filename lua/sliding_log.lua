@@ -16,19 +16,22 @@
 --           yet (same member, score = its slot). A start is checked against what
 --           really started: the log's entries minus the pending ones. n = #KEYS / 2.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
--- ARGV[2]   mode: 0 acquire now or deny
+-- ARGV[2]   the numbers, as decimal integers separated by spaces (one argument is
+--           several times cheaper for a client to send than a dozen):
+--   1       mode: 0 acquire now or deny
 --                 1 acquire now, else reserve the earliest instant that fits
 --                 2 peek: decide as mode 0 but write nothing
 --                 3 start the task that holds the reservation ARGV[1] (see below)
 --                 4 release the reservation held by ARGV[1] (if still in the future)
--- ARGV[3]   horizon, microseconds: no reservation is made further ahead than this
--- ARGV[4]   guard, microseconds: every window W is placed as W + min(guard, W / 50),
+--   2       horizon, microseconds: no reservation is made further ahead than this
+--   3       guard, microseconds: every window W is placed as W + min(guard, W / 50),
 --           while a confirmed reservation starts as soon as its cost fits the plain
 --           W; the difference absorbs tasks that start a little after their slot
--- ARGV[2+3i], ARGV[3+3i], ARGV[4+3i]   for KEYS[i]: limit (weight units), window
---           (microseconds) and this call's cost there (integer, 1 <= cost <= limit)
+--   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--           this call's cost there (1 <= cost <= limit)
 --
--- Reply: {status, remaining, retry_after, reset_after, denied_by, at}
+-- Reply: "status remaining retry_after reset_after denied_by at", six decimal integers
+--   separated by spaces in one string (parsed faster by clients than an array):
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
 --                3 the reservation is held but not yet due (retry_after = at - now),
 --                4 released (or nothing to release),
@@ -62,9 +65,9 @@ local TTL_MARGIN_MS = 1000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
-local mode = tonumber(ARGV[2])
-local horizon = tonumber(ARGV[3])
-local guard = tonumber(ARGV[4])
+local numbers = {}
+for x in string.gmatch(ARGV[2], '%d+') do numbers[#numbers + 1] = tonumber(x) end
+local mode, horizon, guard = numbers[1], numbers[2], numbers[3]
 local n = #KEYS / 2
 
 local function weight(m)
@@ -96,11 +99,11 @@ local limits, windows, exact, costs, members, totals, newest, units, expiry, dir
   {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
 for i = 1, n do
   local key = KEYS[i]
-  local plain = tonumber(ARGV[3 + 3 * i])
+  local plain = numbers[2 + 3 * i]
   local window = plain + math.min(guard, math.floor(plain / 50))
-  limits[i] = tonumber(ARGV[2 + 3 * i])
+  limits[i] = numbers[1 + 3 * i]
   windows[i], exact[i] = window, plain
-  local cost = tonumber(ARGV[4 + 3 * i])
+  local cost = numbers[3 + 3 * i]
   costs[i] = cost
   if cost == 1 then members[i] = token else members[i] = token .. '.' .. cost end
   local meta = redis.call('ZMSCORE', key, '', '+', '=', '~')
@@ -151,7 +154,7 @@ local function summary(status, at, retry_after, denied_by)
     end
   end
   if remaining < 0 then remaining = 0 end
-  return {status, remaining, retry_after, reset, denied_by, at}
+  return string.format('%d %d %.0f %.0f %d %.0f', status, remaining, retry_after, reset, denied_by, at)
 end
 
 -- Write back the totals that pruning changed (a denial writes no entry).
