@@ -63,6 +63,10 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         "<= 1.2",
         b["cost 1000 / cost 1"] <= 1.2,
     )
+    floor = "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"
+    if floor in b:
+        add(f"2. server us, {floor}", b[floor]["usec_per_call"], "bound", None)
+        add("2. server us, cost 1 / that floor", b["cost 1 / floor"], "", None)
     for name in ("cost 100", "cost 1, 2 limits", "cost 1, 4 limits"):
         if name in b:
             add(f"2. server us/decision, {name}", b[name]["usec_per_call"], "", None)

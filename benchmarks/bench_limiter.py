@@ -15,6 +15,7 @@ Prints a table and writes ``benchmarks/results/limiter.json``.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -29,6 +30,14 @@ from celery_ratelimit import Limit, Limiter
 from tests.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
+FLOOR_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, string.format('%.0f', now - 200000))
+redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
+return 1
+"""
 ROUNDS = 15
 CALLS = 2_000
 
@@ -126,6 +135,22 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
             assert count == calls, (name, count)
             samples[name].append(usec)
     out = {name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()}
+    # The physical floor of an exact log on this server: the four commands any such
+    # decision needs (the clock, the key's totals, the prune, the write) in a script
+    # that does nothing else.
+    floor = client.register_script(FLOOR_SCRIPT)
+    floor_samples = []
+    for _ in range(rounds):
+        client.config_resetstat()
+        for _ in range(calls):
+            floor(keys=["floor"], args=[os.urandom(8)])
+        floor_samples.append(_evalsha_usec(client)[0])
+    out["floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"] = {
+        "usec_per_call": round(statistics.median(floor_samples), 2)
+    }
+    out["cost 1 / floor"] = round(
+        out["cost 1"]["usec_per_call"] / statistics.median(floor_samples), 3
+    )
     out["cost 1000 / cost 1"] = round(
         out["cost 1000"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
     )
