@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     # Each window is widened by this much (seconds, at most 2% of the window): a task
     # body starts a few milliseconds after its grant, and by a varying amount, so
     # without a guard the calls seen downstream could bunch a little past the limit.
-    "ratelimit_guard": 0.02,
+    "ratelimit_guard": 0.03,
     # Countdown of a deferral made because Redis could not be reached (policy "defer").
     "ratelimit_redis_error_countdown": 1.0,
     # Seconds between two "Redis unavailable, running unlimited" warnings (policy "allow").

@@ -49,7 +49,7 @@ TOKEN_HEADER = "ratelimit_token"
 DECISION_ATTR = "ratelimit_decision"
 #: An arrival this early (or a reservation this close) is waited for in-process
 #: instead of being published again.
-MAX_IN_PROCESS_WAIT = 0.05
+MAX_IN_PROCESS_WAIT = 0.1
 #: A deferred copy is due this long after its slot: clock offsets are measured to
 #: about a millisecond, and a copy arriving a hair early would cost a wait and a
 #: second confirmation, one arriving a hair late costs nothing.

@@ -24,9 +24,10 @@
 --                 3 start the task that holds the reservation ARGV[1] (see below)
 --                 4 release the reservation held by ARGV[1] (if still in the future)
 --   2       horizon, microseconds: no reservation is made further ahead than this
---   3       guard, microseconds: every window W is placed as W + min(guard, W / 50),
---           while a confirmed reservation starts as soon as its cost fits the plain
---           W; the difference absorbs tasks that start a little after their slot
+--   3       guard, microseconds: every window W is placed as W + g, g = min(guard,
+--           W / 50), while a confirmed reservation starts as soon as its cost fits
+--           W + g / 4 (a body starts a moment after its check); the difference absorbs
+--           tasks that start a little after their slot
 --   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
 --           this call's cost there (1 <= cost <= limit)
 --
@@ -50,10 +51,11 @@
 -- enough weight has left. retry_after is exact: it is that walk's answer.
 --
 -- Starting a reserved task (mode 3). Not before its slot (status 3 until then). At or
--- after it, the task starts now if its cost fits the plain window (now - W, now]
--- counting only what really started there (immediate grants and started
--- reservations; slots whose task has not come yet are not starts); its entry then
--- moves to now. Otherwise it holds the earliest instant at which it fits (status 3).
+-- after it, the task starts now if its cost fits the window (now - W, now] counting
+-- what really started there (immediate grants and started reservations) and the
+-- slots that came due in the last quarter window (their tasks are on their way);
+-- slots overdue by more are abandoned, not counted. Its entry then moves to now.
+-- Otherwise it holds the earliest instant at which it fits (status 3).
 -- A late task thus never bunches with the next ones, and a reservation lost to a
 -- restart or to lateness longer than the window still starts as soon as it fits,
 -- instead of going to the back of the queue, so an overloaded pool keeps draining.
@@ -100,9 +102,12 @@ local limits, windows, exact, costs, members, totals, newest, units, expiry, dir
 for i = 1, n do
   local key = KEYS[i]
   local plain = numbers[2 + 3 * i]
-  local window = plain + math.min(guard, math.floor(plain / 50))
+  local slack = math.min(guard, math.floor(plain / 25))
+  local window = plain + slack
   limits[i] = numbers[1 + 3 * i]
-  windows[i], exact[i] = window, plain
+  -- a start is checked in a window a quarter of the guard wider than W: a task body
+  -- begins a moment after its check, by a varying moment
+  windows[i], exact[i] = window, plain + math.floor(slack / 4)
   local cost = numbers[3 + 3 * i]
   costs[i] = cost
   if cost == 1 then members[i] = token else members[i] = token .. '.' .. cost end
@@ -249,7 +254,9 @@ local function pend(i, t)
     redis.call('ZREM', key, members[i])
   else
     redis.call('ZADD', key, t, members[i])
-    redis.call('PEXPIRE', key, math.ceil((t + windows[i] - now) / 1000) + TTL_MARGIN_MS)
+    -- only ever extend: the set also holds slots further ahead than this one
+    local ttl = math.ceil((t + windows[i] - now) / 1000) + TTL_MARGIN_MS
+    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
   end
 end
 
@@ -279,7 +286,9 @@ if mode == 3 then
   local start = now
   for i = 1, n do
     local lo, hi = '(' .. num(now - exact[i]), num(now)
-    local pending = redis.call('ZRANGEBYSCORE', KEYS[n + i], lo, hi)
+    -- slots due within the last quarter window still count (their tasks are on
+    -- their way); slots overdue by more were abandoned: their tasks compete anew
+    local pending = redis.call('ZRANGEBYSCORE', KEYS[n + i], lo, num(now - exact[i] / 4))
     local skip = {[members[i]] = true}
     for j = 1, #pending do skip[pending[j]] = true end
     local rows = redis.call('ZRANGEBYSCORE', KEYS[i], lo, hi, 'WITHSCORES')

@@ -404,3 +404,46 @@ def test_reservations_cost_at_most_two_limiter_calls_per_task(
     assert on["max_deferrals_per_task"] <= 2
     # without reservations the backlog competes again each time a slot frees
     assert off["calls_per_task"] > on["calls_per_task"]
+
+
+# -- retries and expiry ------------------------------------------------------------------
+
+
+def test_deferrals_never_use_up_max_retries_and_self_retry_still_works(nodes: Nodes) -> None:
+    """``flaky`` has max_retries=1 and retries itself once: each of 6 calls at 2/s is
+    deferred (most of them more than once counting the retry's own deferral), yet all
+    succeed, and the retry count the body sees is Celery's, untouched by deferrals."""
+    results = [nodes.send("flaky", i) for i in range(6)]
+    values = [r.get(timeout=40) for r in results]
+    assert values == ["ok after 1 retry"] * 6
+    runs = nodes.runs()
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_id.setdefault(run["id"], []).append(run)
+    assert len(by_id) == 6
+    for attempts in by_id.values():
+        # one failing run (retries 0), one succeeding run (retries 1); deferrals between
+        assert sorted(r["retries"] for r in attempts) == [0, 1]
+    assert sum(r["deferrals"] for r in runs) >= 4, "the backlog should have been deferred"
+    assert max_in_window([r["granted"] for r in runs], 1_000_000) <= 2
+
+
+def test_a_task_whose_expires_passes_while_deferred_ends_expired_not_looping(
+    nodes: Nodes,
+) -> None:
+    """At 1/s, 5 tasks that expire 1.5 s after they are sent: the first runs at once,
+    one or two in their slots, the others expire while deferred and end as Celery
+    ends an expired task (REVOKED), each after at most one deferral."""
+    results = [nodes.send("expiring", i, expires=1.5) for i in range(5)]
+    deadline = time.monotonic() + 20
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        states = [r.state for r in results]
+        if all(s in ("SUCCESS", "REVOKED") for s in states):
+            break
+        time.sleep(0.2)
+    assert set(states) <= {"SUCCESS", "REVOKED"}, states
+    assert 1 <= states.count("SUCCESS") <= 3 and states.count("REVOKED") >= 2, states
+    runs = nodes.runs()
+    assert len(runs) == states.count("SUCCESS")
+    assert len(nodes.grep("ratelimit: deferred tests.apps.nodes.expiring")) >= 2

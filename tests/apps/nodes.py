@@ -144,4 +144,23 @@ def missing_argument(self: Any, i: int) -> int:
     return i
 
 
+#: Deferred several times, and retrying on its own once: deferrals must not count.
+FLAKY = Limit("2/s", key="flaky")
+
+
+@app.task(base=RateLimitedTask, ratelimit=FLAKY, bind=True, max_retries=1, default_retry_delay=0)
+def flaky(self: Any, i: int) -> str:
+    """Fails its first real run and retries itself once (plain Celery ``self.retry``)."""
+    record(self, i=i)
+    if self.request.retries == 0:
+        raise self.retry(exc=RuntimeError("first run fails"))
+    return f"ok after {self.request.retries} retry"
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="expiring"), bind=True)
+def expiring(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
+
+
 install(app)
