@@ -60,9 +60,20 @@ class RedisServer:
 
     def start(self) -> None:
         cmd = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", self.dir,
-            "--logfile", os.path.join(self.dir, "redis.log"), *self.extra,
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            os.path.join(self.dir, "redis.log"),
+            *self.extra,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
