@@ -46,7 +46,7 @@ class Report:
             f"most grants in any window      {self.max_in_window_granted} "
             f"(limit {self.rate.limit})",
             f"most starts in any window      {self.max_in_window_started} "
-            f"(task bodies, Redis clock; include start jitter)",
+            f"(task bodies, by Redis's clock)",
             f"drain time / ideal             {self.drain_seconds:.2f}s / "
             f"{self.ideal_seconds:.2f}s = {ratio:.3f}",
             f"limiter calls per task         {calls:.2f}  ({self.deferrals} deferrals in all)",

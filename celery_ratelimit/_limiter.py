@@ -233,11 +233,11 @@ class Limiter:
         """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
 
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
-        per-call cap checked together). ``guard`` (seconds; at most 2% of each window is
+        per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
         used) widens the windows in which calls are *placed*, while a confirmed
-        reservation starts as soon as its cost fits the plain window: a task that
-        starts up to ``guard`` after its slot then costs no extra wait (the Celery
-        layer's ``ratelimit_guard``).
+        reservation starts as soon as its cost fits a window only a quarter of it
+        wider: a task that starts up to three quarters of ``guard`` after its slot costs
+        no extra wait (the Celery layer's ``ratelimit_guard``).
         """
         if isinstance(cost, int):
             costs = [cost] * len(limits)

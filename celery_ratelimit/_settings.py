@@ -34,9 +34,10 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_max_countdown": 600.0,
     "ratelimit_max_deferrals": None,
     "ratelimit_reserve": True,
-    # Each window is widened by this much (seconds, at most 2% of the window): a task
-    # body starts a few milliseconds after its grant, and by a varying amount, so
-    # without a guard the calls seen downstream could bunch a little past the limit.
+    # Slack, seconds (at most 4% of a window): slots are placed in windows this much
+    # wider, starts are checked in windows a quarter of it wider (a body starts a
+    # moment after its check), so a task starting a little after its slot costs no
+    # wait (see lua/sliding_log.lua).
     "ratelimit_guard": 0.03,
     # Countdown of a deferral made because Redis could not be reached (policy "defer").
     "ratelimit_redis_error_countdown": 1.0,

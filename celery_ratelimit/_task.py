@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import inspect
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -177,19 +178,28 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
         return
     app = task.app
     keys, costs = plan.resolve(tuple(args), kwargs)
-    max_countdown = setting("ratelimit_max_countdown", app, task, request)
-    guard = setting("ratelimit_guard", app, task, request)
+    here = _process_settings(task)
+    calls = vars(request)  # a message header of an option's name overrides it
+    max_countdown = (
+        setting("ratelimit_max_countdown", app, task, request)
+        if "ratelimit_max_countdown" in calls
+        else here.max_countdown
+    )
+    guard = (
+        setting("ratelimit_guard", app, task, request) if "ratelimit_guard" in calls else here.guard
+    )
+    reserve = (
+        setting("ratelimit_reserve", app, task, request)
+        if "ratelimit_reserve" in calls
+        else here.reserve
+    )
     token = getattr(request, TOKEN_HEADER, None) or None
-    limiter = limiter_for(app)
+    limiter = here.limiter
     redis_keys = limiter.keys_for(keys, plan.limits)
-    metrics = metrics_for(app)  # None unless ratelimit_metrics is on
+    metrics = here.metrics  # None unless ratelimit_metrics is on
     while True:
         try:
-            mode = (
-                CONFIRM
-                if token
-                else (RESERVE if setting("ratelimit_reserve", app, task, request) else ACQUIRE)
-            )
+            mode = CONFIRM if token else (RESERVE if reserve else ACQUIRE)
             started = time.perf_counter()
             decision = limiter.decide(
                 redis_keys,
@@ -245,6 +255,37 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             costs,
             denied_by=decision.limit,
         )
+
+
+@dataclass(frozen=True)
+class _ProcessSettings:
+    """A task's options from the task and ``app.conf``, resolved once per process
+    (``setting`` costs a few microseconds a lookup, on every task otherwise)."""
+
+    pid: int
+    limiter: Limiter
+    max_countdown: float
+    guard: float
+    reserve: bool
+    metrics: Any
+
+
+def _process_settings(task: Any) -> _ProcessSettings:
+    cls = type(task)
+    cached = cls.__dict__.get("_ratelimit_settings")
+    if cached is not None and cached.pid == os.getpid():
+        return cached  # type: ignore[no-any-return]
+    app = task.app
+    resolved = _ProcessSettings(
+        pid=os.getpid(),
+        limiter=limiter_for(app),
+        max_countdown=setting("ratelimit_max_countdown", app, task),
+        guard=setting("ratelimit_guard", app, task),
+        reserve=setting("ratelimit_reserve", app, task),
+        metrics=metrics_for(app),
+    )
+    cls._ratelimit_settings = resolved
+    return resolved
 
 
 def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:

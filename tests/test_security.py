@@ -95,7 +95,7 @@ def test_any_code_given_key_gives_one_hash_tag_and_a_bounded_printable_key(key: 
 ACL_COMMANDS = (
     *("evalsha", "script|load", "time", "ping", "del", "pexpire", "hmget", "hset"),
     *("zadd", "zcount", "zmscore", "zrangebyscore", "zrem", "zremrangebyscore"),
-    *("zrevrangebyscore", "zscore"),
+    *("zrevrangebyscore", "zscore", "pttl"),
 )
 
 
