@@ -170,7 +170,8 @@ class Demo:
     def _progress(self, executed: int, tasks: int, elapsed: float, ideal: float) -> None:
         # executions per second over the last window, against the limit
         self._history.append((elapsed, executed))
-        while len(self._history) > 1 and self._history[0][0] < elapsed - self.rate.window:
+        # keep one sample at or before the window's start, so the span is a whole window
+        while len(self._history) > 2 and self._history[1][0] <= elapsed - self.rate.window:
             self._history.pop(0)
         t0, n0 = self._history[0]
         rate = (executed - n0) / (elapsed - t0) if elapsed > t0 else 0.0
