@@ -224,20 +224,27 @@ local function extend(i, t, write)
   end
 end
 
--- Put this call's entry at t in key i: moved if it is there, else added (its weight
--- joins the running total).
-local function place(i, t)
-  local write = {t, members[i]}
-  if not redis.call('ZSCORE', KEYS[i], members[i]) then
-    local cost = costs[i]
-    if totals[i] == 0 then
-      put(write, cost, '=')
-    elseif units[i] ~= 0 and units[i] ~= cost then
-      put(write, 0, '=')
-    end
-    totals[i] = totals[i] + cost
-    dirty[i] = true
+-- Add this call's entry at t to key i: its weight joins the running total (and the
+-- uniform-weight meta), in the entry's own ZADD.
+local function add(i, t)
+  local cost = costs[i]
+  local write = {t, members[i], totals[i] + cost, ''}
+  if totals[i] == 0 then
+    put(write, cost, '=')
+  elseif units[i] ~= 0 and units[i] ~= cost then
+    put(write, 0, '=')
   end
+  totals[i] = totals[i] + cost
+  dirty[i] = nil
+  extend(i, t, write)
+end
+
+-- Put this call's entry at t in key i: moved if it is there, else added.
+local function place(i, t)
+  if not redis.call('ZSCORE', KEYS[i], members[i]) then
+    return add(i, t)
+  end
+  local write = {t, members[i]}
   if dirty[i] then
     put(write, totals[i], '')
     dirty[i] = nil
@@ -348,16 +355,7 @@ if denied_by ~= 0 then
 end
 
 for i = 1, n do
-  local key = KEYS[i]
-  local cost = costs[i]
-  local write = {at, members[i], totals[i] + cost, ''}
-  if totals[i] == 0 then
-    put(write, cost, '=')
-  elseif units[i] ~= 0 and units[i] ~= cost then
-    put(write, 0, '=')
-  end
-  totals[i] = totals[i] + cost
-  extend(i, at, write)
+  add(i, at)
   if status == 2 then pend(i, at) end
 end
 return summary(status, at, at - now, denied_by)
