@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -257,7 +258,7 @@ class Limiter:
                 )
             numbers += (limit.rate.limit, limit.rate.window_us, one)
         token_bytes = bytes.fromhex(token) if token else os.urandom(8)
-        args = [token_bytes, " ".join(map(str, numbers))]
+        args = [token_bytes, struct.pack(f"<{len(numbers)}d", *numbers)]
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
@@ -271,7 +272,7 @@ class Limiter:
                 reply = self._scripts[algorithm](keys=keys, args=args)
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
-        status, remaining, retry_us, reset_us, denied_by, at_us = map(int, reply.split())
+        status, remaining, retry_us, reset_us, denied_by, at_us = map(int, reply)
         if status == SPENT:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own

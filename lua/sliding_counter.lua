@@ -4,14 +4,14 @@
 --           c = weight counted in that window, p = weight counted in the window before.
 --           Memory is O(1) per key whatever the limit.
 -- ARGV[1]   token (unused here; the reply shape and arguments match sliding_log.lua)
--- ARGV[2]   the numbers, decimal integers separated by spaces, as in sliding_log.lua:
+-- ARGV[2]   the numbers, packed as little-endian doubles, as in sliding_log.lua:
 --   1       mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
 --           (reservations are log-only, see README); mode 4 releases nothing.
 --   2, 3    horizon and guard, microseconds (unused: fixed windows stay aligned)
 --   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
 --           this call's cost there (1 <= cost <= limit)
 --
--- Reply: "status remaining retry_after reset_after denied_by at" in one string, as
+-- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers, as
 --   sliding_log.lua: status 0 denied, 1 allowed, 4 released; times in microseconds;
 --   at = server time.
 --
@@ -26,12 +26,11 @@ local TTL_MARGIN_MS = 1000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local numbers = {}
-for x in string.gmatch(ARGV[2], '%d+') do numbers[#numbers + 1] = tonumber(x) end
+local numbers = {struct.unpack('<' .. string.rep('d', 3 + 3 * #KEYS), ARGV[2])}
 local mode = numbers[1]
 
 local function reply(status, remaining, retry_after, reset, denied_by, at)
-  return string.format('%d %d %.0f %.0f %d %.0f', status, remaining, retry_after, reset, denied_by, at)
+  return {status, remaining, retry_after, reset, denied_by, at}
 end
 local n = #KEYS
 

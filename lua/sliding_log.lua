@@ -16,8 +16,9 @@
 --           yet (same member, score = its slot). A start is checked against what
 --           really started: the log's entries minus the pending ones. n = #KEYS / 2.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
--- ARGV[2]   the numbers, as decimal integers separated by spaces (one argument is
---           several times cheaper for a client to send than a dozen):
+-- ARGV[2]   the numbers, packed as little-endian doubles (struct '<d', exact for
+--           integers below 2^53; one argument is much cheaper for a client to send, and
+--           for this script to read, than a dozen):
 --   1       mode: 0 acquire now or deny
 --                 1 acquire now, else reserve the earliest instant that fits
 --                 2 peek: decide as mode 0 but write nothing
@@ -31,8 +32,7 @@
 --   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
 --           this call's cost there (1 <= cost <= limit)
 --
--- Reply: "status remaining retry_after reset_after denied_by at", six decimal integers
---   separated by spaces in one string (parsed faster by clients than an array):
+-- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers:
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
 --                3 the reservation is held but not yet due (retry_after = at - now),
 --                4 released (or nothing to release),
@@ -67,10 +67,9 @@ local TTL_MARGIN_MS = 1000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
-local numbers = {}
-for x in string.gmatch(ARGV[2], '%d+') do numbers[#numbers + 1] = tonumber(x) end
-local mode, horizon, guard = numbers[1], numbers[2], numbers[3]
 local n = #KEYS / 2
+local numbers = {struct.unpack('<' .. string.rep('d', 3 + 3 * n), ARGV[2])}
+local mode, horizon, guard = numbers[1], numbers[2], numbers[3]
 
 local function weight(m)
   if #m > TOKEN_LEN then
@@ -159,7 +158,7 @@ local function summary(status, at, retry_after, denied_by)
     end
   end
   if remaining < 0 then remaining = 0 end
-  return string.format('%d %d %.0f %.0f %d %.0f', status, remaining, retry_after, reset, denied_by, at)
+  return {status, remaining, retry_after, reset, denied_by, at}
 end
 
 -- Write back the totals that pruning changed (a denial writes no entry).
