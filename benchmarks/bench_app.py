@@ -75,3 +75,12 @@ def loose(self: Any) -> None:
 def unlimited(self: Any) -> None:
     """The same task without the library."""
     record(self)
+
+
+@app.task(bind=True)
+def one_round_trip(self: Any) -> None:
+    """The bound: the same task plus one PING to the limiter's Redis, i.e. what any
+    shared limit costs at least (one round trip before the body), with no script."""
+    record(self)
+    assert _client is not None
+    _client.ping()

@@ -30,11 +30,23 @@ from celery_ratelimit import Limit, Limiter
 from tests.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
+#: Physical floors on this server, in scripts that do nothing else (no arguments read,
+#: no reply built). NOOP: what any script-based limiter pays for EVALSHA itself. FLOOR3:
+#: the least any exact decision needs: the clock, one read of the key, one write.
+#: FLOOR (4 commands): an exact log that also prunes expired entries, as ours does.
+NOOP_SCRIPT = "return 1"
+FLOOR3_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
+redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
+return 1
+"""
 FLOOR_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, string.format('%.0f', now - 200000))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 200000)
 redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
 return 1
 """
@@ -55,10 +67,14 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     limiter = Limiter(client, prefix="bench-a")
     free = [Limit("1000000000/s")]
     binding = [Limit("100/s")]
+    noop = client.register_script(NOOP_SCRIPT)
+    floor = client.register_script(FLOOR_SCRIPT)
     ops: dict[str, Callable[[], object]] = {
         "ping": client.ping,
         "acquire (not binding)": lambda: limiter.acquire("free", free),
         "acquire (binding)": lambda: limiter.acquire("busy", binding),
+        "bound: EVALSHA of 'return 1'": noop,
+        "bound: floor script (4 commands)": lambda: floor(keys=["floor-a"], args=[os.urandom(8)]),
     }
     try:
         from limits import parse
@@ -135,22 +151,24 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
             assert count == calls, (name, count)
             samples[name].append(usec)
     out = {name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()}
-    # The physical floor of an exact log on this server: the four commands any such
-    # decision needs (the clock, the key's totals, the prune, the write) in a script
-    # that does nothing else.
-    floor = client.register_script(FLOOR_SCRIPT)
-    floor_samples = []
-    for _ in range(rounds):
-        client.config_resetstat()
-        for _ in range(calls):
-            floor(keys=["floor"], args=[os.urandom(8)])
-        floor_samples.append(_evalsha_usec(client)[0])
-    out["floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"] = {
-        "usec_per_call": round(statistics.median(floor_samples), 2)
+    # The physical floors on this server (see the scripts above), same rounds.
+    floors = {
+        "bound: EVALSHA of 'return 1'": client.register_script(NOOP_SCRIPT),
+        "floor3: TIME+ZMSCORE+ZADD": client.register_script(FLOOR3_SCRIPT),
+        "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD": client.register_script(FLOOR_SCRIPT),
     }
-    out["cost 1 / floor"] = round(
-        out["cost 1"]["usec_per_call"] / statistics.median(floor_samples), 3
-    )
+    floor_samples: dict[str, list[float]] = {name: [] for name in floors}
+    for _ in range(rounds):
+        for name, script in floors.items():
+            client.delete("floor")
+            client.config_resetstat()
+            for _ in range(calls):
+                script(keys=["floor"], args=[os.urandom(8)])
+            floor_samples[name].append(_evalsha_usec(client)[0])
+    for name, values in floor_samples.items():
+        out[name] = {"usec_per_call": round(statistics.median(values), 2)}
+    floor_us = out["floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"]["usec_per_call"]
+    out["cost 1 / floor"] = round(out["cost 1"]["usec_per_call"] / floor_us, 3)
     out["cost 1000 / cost 1"] = round(
         out["cost 1000"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
     )
@@ -180,7 +198,40 @@ def memory(server: RedisServer) -> dict[str, Any]:
     limiter.acquire("counter", counter, 7)
     key = limiter.keys_for("counter", counter)[0]
     out["counter"] = {"bytes": int(client.memory_usage(key, samples=0))}
+    out.update(_listpack_tuning(client, limiter))
     client.close()
+    return out
+
+
+def _listpack_tuning(client: redis.Redis, limiter: Limiter) -> dict[str, Any]:
+    """What the server setting ``zset-max-listpack-entries`` trades: a log of 10,000
+    entries kept as a listpack (compact, O(n) to update) instead of a skiplist, in
+    bytes per entry and server microseconds per decision, both encodings side by side."""
+    out: dict[str, Any] = {}
+    default = client.config_get("zset-max-listpack-entries")["zset-max-listpack-entries"]
+    try:
+        for label, setting in (("skiplist", default), ("listpack", "20000")):
+            client.config_set("zset-max-listpack-entries", setting)
+            limits = [Limit("20000/h")]
+            name = f"tuned-{label}"
+            for _ in range(10_000):
+                limiter.acquire(name, limits)
+            key = limiter.keys_for(name, limits)[0]
+            used = int(client.memory_usage(key, samples=0))
+            client.config_resetstat()
+            for _ in range(500):
+                limiter.acquire(name, limits)
+            usec, _ = _evalsha_usec(client)
+            out[f"log 10000, {label}"] = {
+                "entries": 10_000,
+                "bytes": used,
+                "bytes_per_entry": round(used / 10_000, 1),
+                "encoding": client.object("encoding", key).decode(),
+                "usec_per_decision": usec,
+            }
+            client.delete(key)
+    finally:
+        client.config_set("zset-max-listpack-entries", default)
     return out
 
 

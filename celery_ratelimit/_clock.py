@@ -45,7 +45,9 @@ _measured_at = -OFFSET_TTL
 def observe(decision: Decision, local_now: float) -> None:
     """Note this process's clock offset to Redis from a decision just received."""
     global _offset, _measured_at
-    redis_now = decision.at - (decision.retry_after if decision.reserved else 0.0)
+    # a reservation or a held start is answered with its instant and the time to it
+    ahead = decision.reserved or decision.allowed
+    redis_now = decision.at - (decision.retry_after if ahead else 0.0)
     _offset = redis_now - local_now
     _measured_at = time.monotonic()
 

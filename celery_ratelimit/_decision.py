@@ -12,10 +12,11 @@ class Decision:
     """The answer to one :meth:`Limiter.acquire` (or ``peek``) call.
 
     Attributes:
-        allowed: the call may run now; its cost has been counted.
+        allowed: the call may run now (or, only when the caller asked the limiter to
+            ``hold``, ``retry_after`` seconds from now); its cost has been counted.
         remaining: weight still free in the tightest limit, counting reservations.
-        retry_after: seconds until this cost fits every limit (0.0 when allowed). For
-            a reservation, the seconds until the reserved slot.
+        retry_after: seconds until this cost fits every limit (0.0 when allowed now).
+            For a reservation, the seconds until the reserved slot.
         reset_after: seconds until every limit of the call is back to full.
         limit: the limit that set ``retry_after`` when denied, else ``None``.
         reserved: a future slot was reserved for this call (``allowed`` is False; run it

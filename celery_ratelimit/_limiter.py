@@ -19,7 +19,7 @@ from ._scripts import source
 #: Script modes (ARGV[3]); see the header of lua/sliding_log.lua.
 ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
 #: Reply statuses.
-DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT = 0, 1, 2, 3, 4, 5
+DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
 
 DEFAULT_PREFIX = "ratelimit"
 #: Suffix of the key holding a log's pending reservations (see lua/sliding_log.lua).
@@ -33,6 +33,8 @@ DEFAULT_HORIZON = 3600.0
 KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
+#: The script's first four numbers: mode, horizon, guard and hold (lua/sliding_log.lua).
+_HEAD = struct.Struct("<4d")
 
 
 class Limiter:
@@ -63,7 +65,9 @@ class Limiter:
         self._cluster = hasattr(client, "get_nodes")
         # (key, limits) -> Redis keys: escaping and formatting are most of the Python
         # cost of a decision, and a process decides for few distinct keys
-        self._keys: dict[tuple[str, tuple[Limit, ...]], list[str]] = {}
+        self._keys: dict[tuple[str | tuple[str, ...], tuple[Limit, ...]], list[str]] = {}
+        # (limits, costs) -> their part of the script's packed numbers, checked once
+        self._packed: dict[tuple[tuple[Limit, ...], tuple[int, ...]], bytes] = {}
 
     @classmethod
     def from_url(
@@ -171,7 +175,7 @@ class Limiter:
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
 
-    def _keys_of(self, key: str, limits: tuple[Limit, ...]) -> list[str]:
+    def _keys_of(self, key: str | tuple[str, ...], limits: tuple[Limit, ...]) -> list[str]:
         """:meth:`keys_for`, remembered for the last few thousand (key, limits)."""
         try:
             return self._keys[key, limits]
@@ -220,6 +224,30 @@ class Limiter:
             )
         return keys
 
+    def _pack_limits(self, limits: tuple[Limit, ...], costs: list[int]) -> bytes:
+        """(limit, window, cost) of every limit as packed doubles, checked on first use."""
+        if all(type(one) is int for one in costs):  # a bool would hash like an int
+            try:
+                return self._packed[limits, tuple(costs)]
+            except KeyError:
+                pass
+        if len(costs) != len(limits):
+            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        numbers: list[int] = []
+        for limit, one in zip(limits, costs, strict=True):
+            check_cost(one)
+            if one > limit.rate.limit:
+                raise InvalidLimit(
+                    f"cost {one} is greater than the limit of {limit.label}: "
+                    "such a call could never run"
+                )
+            numbers += (limit.rate.limit, limit.rate.window_us, one)
+        packed = struct.pack(f"<{len(numbers)}d", *numbers)
+        if len(self._packed) >= KEY_CACHE_SIZE:
+            self._packed.clear()
+        self._packed[limits, tuple(costs)] = packed
+        return packed
+
     def decide(
         self,
         keys: list[str],
@@ -230,55 +258,63 @@ class Limiter:
         token: str | None = None,
         horizon: float = DEFAULT_HORIZON,
         guard: float = 0.0,
+        hold: float = 0.0,
     ) -> Decision:
         """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
 
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
         per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
         used) widens the windows in which calls are *placed*, while a confirmed
-        reservation starts as soon as its cost fits a window only a quarter of it
-        wider: a task that starts up to three quarters of ``guard`` after its slot costs
-        no extra wait (the Celery layer's ``ratelimit_guard``).
+        reservation starts as soon as its cost fits a window only half of it wider:
+        a task that starts up to half of ``guard`` after its slot costs no extra wait,
+        and bodies that begin up to half of it after their recorded start still
+        never put more than the limit in a window (the Celery layer's
+        ``ratelimit_guard``).
+
+        ``hold`` (seconds, ``"log"`` only): a reservation or confirmation whose start is
+        at most this far ahead is counted as started at that instant and answered
+        ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
+        with no second call (the Celery layer waits in-process up to 0.1 s).
         """
         if isinstance(cost, int):
             costs = [cost] * len(limits)
+        elif isinstance(cost, list):
+            costs = cost
         elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
             costs = list(cost)
         else:
             raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        if len(costs) != len(limits):
-            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
-        numbers = [mode, int(horizon * 1_000_000), int(guard * 1_000_000)]
-        for limit, one in zip(limits, costs, strict=True):
-            check_cost(one)
-            if one > limit.rate.limit:
-                raise InvalidLimit(
-                    f"cost {one} is greater than the limit of {limit.label}: "
-                    "such a call could never run"
-                )
-            numbers += (limit.rate.limit, limit.rate.window_us, one)
+        packed = self._pack_limits(limits, costs)
+        head = _HEAD.pack(
+            mode, int(horizon * 1_000_000), int(guard * 1_000_000), int(hold * 1_000_000)
+        )
         token_bytes = bytes.fromhex(token) if token else os.urandom(8)
-        args = [token_bytes, struct.pack(f"<{len(numbers)}d", *numbers)]
+        args = [token_bytes, head + packed]
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
                 f"segment) on Redis Cluster, got keys {keys}"
             )
+        algorithm = limits[0].algorithm
+        # each log has a set of its pending reservations
+        every = [*keys, *[k + PENDING for k in keys]] if algorithm == "log" else keys
+        script = self._scripts[algorithm]
         try:
-            algorithm = limits[0].algorithm
-            if algorithm == "log":  # each log has a set of its pending reservations
-                reply = self._scripts["log"](keys=[*keys, *(k + PENDING for k in keys)], args=args)
-            else:
-                reply = self._scripts[algorithm](keys=keys, args=args)
+            try:
+                reply = self.client.evalsha(script.sha, len(every), *every, *args)
+            except redis.exceptions.NoScriptError:
+                reply = script(keys=every, args=args)  # loads the script, then runs it
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
         status, remaining, retry_us, reset_us, denied_by, at_us = map(int, reply)
         if status == SPENT:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
-            return self.decide(keys, limits, costs, RESERVE, horizon=horizon, guard=guard)
+            return self.decide(
+                keys, limits, costs, RESERVE, horizon=horizon, guard=guard, hold=hold
+            )
         return Decision(
-            allowed=status == ALLOWED,
+            allowed=status in (ALLOWED, STARTS_AT),
             remaining=remaining,
             retry_after=retry_us / 1_000_000,
             reset_after=reset_us / 1_000_000,

@@ -104,7 +104,7 @@ class Metrics:
                 self.denied.labels(limit.label).inc()
 
     def held(self, limits: Iterable[Limit]) -> None:
-        """A fresh reservation waited for in-process (no deferral): it is pending too."""
+        """A fresh slot waited for in-process (no deferral), counted as a reservation."""
         for limit in limits:
             self.reservations.labels(limit.label).inc()
 

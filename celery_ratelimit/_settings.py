@@ -35,7 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_max_deferrals": None,
     "ratelimit_reserve": True,
     # Slack, seconds (at most 4% of a window): slots are placed in windows this much
-    # wider, starts are checked in windows a quarter of it wider (a body starts a
+    # wider, starts are checked in windows half of it wider (a body starts a varying
     # moment after its check), so a task starting a little after its slot costs no
     # wait (see lua/sliding_log.lua).
     "ratelimit_guard": 0.03,

@@ -18,6 +18,7 @@ between can duplicate a message, never lose one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import logging
@@ -48,8 +49,9 @@ DEFERRALS_HEADER = "ratelimit_deferrals"
 TOKEN_HEADER = "ratelimit_token"
 #: Request attribute holding the Decision that let the task run.
 DECISION_ATTR = "ratelimit_decision"
-#: An arrival this early (or a reservation this close) is waited for in-process
-#: instead of being published again.
+#: A start at most this far ahead (an early arrival, a reservation this close, a
+#: late task waiting for the window) is waited for in-process instead of being
+#: published again; the limiter counts it for that instant, so no second call follows.
 MAX_IN_PROCESS_WAIT = 0.1
 #: A deferred copy is due this long after its slot: clock offsets are measured to
 #: about a millisecond, and a copy arriving a hair early would cost a wait and a
@@ -64,6 +66,8 @@ class Plan:
     limits: tuple[Limit, ...]
     signature: inspect.Signature | None
     task_name: str
+    #: keys and costs when no limit depends on the call's arguments (worked out once)
+    fixed: tuple[list[str], list[int]] | None = None
 
     def resolve(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -74,6 +78,8 @@ class Plan:
             InvalidLimit: a template names a missing argument, a key or cost function
                 returned something unusable, or a cost exceeds its limit.
         """
+        if self.fixed is not None:
+            return self.fixed
         arguments: Mapping[str, Any] | None = None
         keys: list[str] = []
         costs: list[int] = []
@@ -134,6 +140,10 @@ def plan_for(task: Any) -> Plan | None:
         except (TypeError, ValueError):
             signature = None
         plan = Plan(to_limits(spec, f"ratelimit of task {name}"), signature, name)
+        if not any(
+            limit.fields or callable(limit.key) or callable(limit.cost) for limit in plan.limits
+        ):
+            plan = dataclasses.replace(plan, fixed=plan.resolve((), {}))
     cls._ratelimit_plan = (spec, plan)
     return plan
 
@@ -195,7 +205,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     )
     token = getattr(request, TOKEN_HEADER, None) or None
     limiter = here.limiter
-    redis_keys = limiter.keys_for(keys, plan.limits)
+    redis_keys = limiter._keys_of(tuple(keys), plan.limits)
     metrics = here.metrics  # None unless ratelimit_metrics is on
     while True:
         try:
@@ -209,6 +219,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 token=token,
                 horizon=max_countdown,
                 guard=guard,
+                hold=MAX_IN_PROCESS_WAIT,
             )
         except LimiterUnavailable as exc:
             if metrics is not None:
@@ -227,16 +238,14 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             elapsed = time.perf_counter() - started
             metrics.decision(plan.limits, decision, elapsed, decision.allowed, mode)
         if decision.allowed:
+            if decision.retry_after > 0:
+                # Its start is moments away and already counted for that instant (the
+                # limiter's hold): wait here rather than publish a copy and confirm.
+                if metrics is not None and mode != CONFIRM:
+                    metrics.held(plan.limits)
+                time.sleep(decision.retry_after)
             setattr(request, DECISION_ATTR, decision)
             return
-        if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT:
-            # The slot is moments away: wait here rather than publish a copy, then
-            # confirm (the confirmation also checks what really started meanwhile).
-            if metrics is not None and mode != CONFIRM:
-                metrics.held(plan.limits)
-            time.sleep(decision.retry_after)
-            token = decision.token
-            continue
         countdown = min(decision.retry_after, max_countdown)
         reason = (
             f"rate limited by {decision.limit.label if decision.limit else describe(plan.limits)}"

@@ -7,8 +7,8 @@
 -- ARGV[2]   the numbers, packed as little-endian doubles, as in sliding_log.lua:
 --   1       mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
 --           (reservations are log-only, see README); mode 4 releases nothing.
---   2, 3    horizon and guard, microseconds (unused: fixed windows stay aligned)
---   1+3i, 2+3i, 3+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--   2, 3, 4 horizon, guard and hold, microseconds (unused: fixed windows stay aligned)
+--   2+3i, 3+3i, 4+3i   for KEYS[i]: limit (weight units), window (microseconds) and
 --           this call's cost there (1 <= cost <= limit)
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers, as
@@ -26,7 +26,7 @@ local TTL_MARGIN_MS = 1000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local numbers = {struct.unpack('<' .. string.rep('d', 3 + 3 * #KEYS), ARGV[2])}
+local numbers = {struct.unpack('<' .. string.rep('d', 4 + 3 * #KEYS), ARGV[2])}
 local mode = numbers[1]
 
 local function reply(status, remaining, retry_after, reset, denied_by, at)
@@ -41,9 +41,9 @@ end
 local wids, cur, prev, limits, windows, costs = {}, {}, {}, {}, {}, {}
 local at, denied_by, remaining, reset = now, 0, nil, 0
 for i = 1, n do
-  local limit = numbers[1 + 3 * i]
-  local window = numbers[2 + 3 * i]
-  local cost = numbers[3 + 3 * i]
+  local limit = numbers[2 + 3 * i]
+  local window = numbers[3 + 3 * i]
+  local cost = numbers[4 + 3 * i]
   costs[i] = cost
   local wid = math.floor(now / window)
   local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')

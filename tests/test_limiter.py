@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter, LimiterUnavailable
-from celery_ratelimit._limiter import ACQUIRE
+from celery_ratelimit._limiter import ACQUIRE, CONFIRM
 from tests.log_reader import entries, max_in_window, total, us
 from tests.redis_server import RedisServer, free_port
 
@@ -400,6 +400,39 @@ def test_a_late_start_is_counted_where_it_happened_and_the_next_slot_waits_for_i
     assert ok.allowed
     assert us(ok.at) - us(late.at) >= 300_000
     assert [t for t, _ in entries(redis_client, key)] == [us(ok.at)]  # the late one has left
+
+
+def test_a_held_start_counts_for_starts_decided_before_its_instant(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """With ``hold``, a start due within it is counted for its instant at once (no
+    second call): a reservation confirmed before that instant must see it."""
+    rate = Limit("1/400ms")
+    limits = (rate,)
+    keys = limiter.keys_for("hold", rate)
+    hold = 0.3
+    assert limiter.acquire("hold", rate).allowed
+    p, q, r = (limiter.acquire("hold", rate, reserve=True) for _ in range(3))
+    assert p.token and q.token and r.token
+    assert us(q.at) - us(p.at) == us(r.at) - us(q.at) == 400_000
+    # p starts 200 ms late; q, on time, must wait for p to leave: a 200 ms hold
+    sleep_until(redis_client, us(p.at) + 200_000)
+    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=hold)
+    assert late.allowed and late.retry_after == 0
+    sleep_until(redis_client, us(q.at))
+    held = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=hold)
+    assert held.allowed and 0 < held.retry_after <= hold
+    assert us(held.at) == us(late.at) + 400_000
+    # r confirms early, within the hold of its slot, while q's start is still ahead
+    sleep_until(redis_client, us(r.at) - 250_000)
+    early = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=hold)
+    start = us(early.at)
+    assert start >= us(held.at) + 400_000, "r would start within a window of q's start"
+    assert early.reserved and early.retry_after > hold  # so it is deferred, not held
+    # holding consumed the reservation: confirming q again is a second execution,
+    # which competes anew instead of reusing it
+    again = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=hold)
+    assert again.token != q.token
 
 
 def test_confirm_after_a_redis_restart_competes_again(

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._keys import MAX_KEY, escape_part, redis_key, render
+from celery_ratelimit._limiter import CONFIRM, PENDING, RESERVE
 from tests.log_reader import entries, max_in_window, total, us, weight_after
 
 LIMIT, WINDOW_US = 6, 120_000
@@ -29,6 +30,11 @@ def earliest_fit(log: list[tuple[int, int]], now: int, cost: int) -> int:
     raise AssertionError("the model found no instant")  # pragma: no cover
 
 
+#: Each example runs against the real redis-server (a function-scoped fixture).
+against_redis = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
 operation = st.tuples(
     st.integers(1, LIMIT),  # cost
     st.integers(0, 40),  # milliseconds to wait before the call
@@ -36,11 +42,7 @@ operation = st.tuples(
 )
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@against_redis
 @given(ops=st.lists(operation, min_size=1, max_size=14))
 def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     limiter: Limiter, redis_client: redis.Redis, ops: list[tuple[int, int, bool]]
@@ -73,6 +75,45 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     assert sorted(stored) == sorted(live)
     assert total(redis_client, key) == sum(w for _, w in stored)
     redis_client.delete(key)
+
+
+step = st.tuples(
+    st.booleans(),  # True: a new call; False: confirm one of the reservations
+    st.integers(1, LIMIT),  # cost of a new call
+    st.integers(0, 30),  # milliseconds to wait before the step
+    st.integers(0, 1_000),  # which reservation to confirm
+)
+HOLD = 0.03
+
+
+@against_redis
+@given(steps=st.lists(step, min_size=1, max_size=16))
+def test_held_starts_never_overfill_a_window_of_starts(
+    limiter: Limiter, redis_client: redis.Redis, steps: list[tuple[bool, int, int, int]]
+) -> None:
+    """Reservations confirmed early, on time or late, with starts held up to HOLD ahead
+    (counted for that instant, no second call): the starts, immediate or held, never
+    put more than the limit in any window, and every hold is within HOLD."""
+    name = f"hold-{next(_examples)}"
+    keys = limiter.keys_for(name, RATE)
+    limits = (RATE,)
+    starts: list[tuple[int, int]] = []
+    pending: list[tuple[str, int]] = []  # (token, cost)
+    for new, cost, wait_ms, pick in steps:
+        time.sleep(wait_ms / 1000)
+        if new or not pending:
+            d = limiter.decide(keys, limits, cost, RESERVE, hold=HOLD)
+        else:
+            token, cost = pending.pop(pick % len(pending))
+            d = limiter.decide(keys, limits, cost, CONFIRM, token=token, hold=HOLD)
+        if d.allowed:
+            assert 0 <= d.retry_after <= HOLD
+            starts.append((us(d.at), cost))
+        elif d.reserved:
+            assert d.token is not None and d.retry_after > HOLD
+            pending.append((d.token, cost))
+        assert max_in_window(starts, WINDOW_US) <= LIMIT, starts
+    redis_client.delete(*keys, *(k + PENDING for k in keys))
 
 
 # -- key escaping -------------------------------------------------------------------------
