@@ -10,10 +10,12 @@ Redis never loses the record.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +81,11 @@ class Node:
         )
         return [int(p) for p in out.stdout.split()]
 
+    @property
+    def hostname(self) -> str:
+        """The node's name as Celery's remote control addresses it."""
+        return f"{self.name}@{socket.gethostname()}"
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the whole node (main process and pool children)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -97,6 +104,17 @@ class Node:
             self.proc.wait(5)
         self.proc = None
 
+    def held(self) -> set[str]:
+        """Ids of the tasks this node received and has not finished, by its log: bodies
+        running, prefetched messages, deferred copies waiting for their ETA."""
+        balance: Counter[str] = Counter()
+        for line in self.text().splitlines():
+            if (match := _TASK_LINE.search(line)) is None:
+                continue
+            task_id, what = match.groups()
+            balance[task_id] += 1 if what == "received" else -1
+        return {task_id for task_id, n in balance.items() if n > 0}
+
     def text(self) -> str:
         return self.log.read_text("utf-8", "replace")
 
@@ -113,6 +131,7 @@ class Fleet:
     limiter_url: str
     runs_url: str
     prefix: str
+    queue: str = "celery"
     settings: dict[str, str] = field(default_factory=dict)
     nodes: list[Node] = field(default_factory=list)
     _producer: Celery | None = None
@@ -134,6 +153,7 @@ class Fleet:
             "CRL_REDIS": self.limiter_url,
             "CRL_RUNS": self.runs_url,
             "CRL_PREFIX": self.prefix,
+            "CRL_QUEUE": self.queue,
             **{f"CRL_{k.upper()}": v for k, v in {**self.settings, **settings}.items()},
         }
         added = []
@@ -166,6 +186,7 @@ class Fleet:
 
     def send(self, name: str, *args: Any, **options: Any) -> str:
         """Publish ``tests.apps.faults.<name>(*args)``; returns the task id."""
+        options.setdefault("queue", self.queue)
         return str(self.producer.send_task(f"{APP}.{name}", args=args, **options).id)
 
     def runs(self) -> list[dict[str, Any]]:
@@ -223,7 +244,24 @@ def max_grants(runs: Iterable[dict[str, Any]], window_us: int) -> int:
     return max_in_window([(r["granted"], 1) for r in runs if r["granted"] is not None], window_us)
 
 
+_TASK_LINE = re.compile(r"\] Task \S+\[([0-9a-f-]+)\] (received|succeeded|retry|raised)")
 _DEFERRED = re.compile(r"ratelimit: deferred \S+\[([0-9a-f-]+)\]")
+
+
+_DEFERRED_FOR = re.compile(
+    r"^\[(\S+ \S+): .*ratelimit: deferred \S+\[([0-9a-f-]+)\] key \S+ for ([0-9.]+)s"
+)
+
+
+def due_times(lines: Iterable[str]) -> dict[str, float]:
+    """When each deferred task's newest copy is due (epoch seconds, by the log's clock)."""
+    due: dict[str, float] = {}
+    for line in lines:
+        if match := _DEFERRED_FOR.search(line):
+            stamp, task_id, countdown = match.groups()
+            logged = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            due[task_id] = max(due.get(task_id, 0.0), logged + float(countdown))
+    return due
 
 
 def deferred_ids(lines: Iterable[str]) -> set[str]:

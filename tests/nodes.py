@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
@@ -51,6 +52,16 @@ def rabbitmq_reachable(host: str = "127.0.0.1", port: int = 5672) -> bool:
             return True
     except OSError:
         return False
+
+
+def require_rabbitmq() -> None:
+    """Skip unless RabbitMQ answers on 127.0.0.1:5672 (fail if CRL_REQUIRE_RABBITMQ=1)."""
+    if rabbitmq_reachable():
+        return
+    reason = "RabbitMQ is not reachable at 127.0.0.1:5672"
+    if os.environ.get("CRL_REQUIRE_RABBITMQ") == "1":
+        pytest.fail(f"{reason}, and CRL_REQUIRE_RABBITMQ=1 requires it")
+    pytest.skip(f"{reason} (set CRL_REQUIRE_RABBITMQ=1 to fail instead of skipping)")
 
 
 @dataclass

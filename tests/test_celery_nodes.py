@@ -37,7 +37,7 @@ from tests.nodes import (
     max_in_window,
     node_set,
     percentiles,
-    rabbitmq_reachable,
+    require_rabbitmq,
     unique_prefix,
 )
 
@@ -212,11 +212,7 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
 def test_three_nodes_on_a_rabbitmq_broker_share_the_limit(
     start_nodes: Callable[..., Nodes],
 ) -> None:
-    if not rabbitmq_reachable():
-        reason = "RabbitMQ is not reachable at 127.0.0.1:5672"
-        if os.environ.get("CRL_REQUIRE_RABBITMQ") == "1":
-            pytest.fail(f"{reason}, and CRL_REQUIRE_RABBITMQ=1 requires it")
-        pytest.skip(f"{reason} (set CRL_REQUIRE_RABBITMQ=1 to fail instead of skipping)")
+    require_rabbitmq()
     queue = f"crl-test-{os.getpid()}-{time.monotonic_ns()}"
     try:
         nodes = start_nodes(broker_url=RABBITMQ_URL, backend=False, queue=queue, rate=RATE)

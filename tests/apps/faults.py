@@ -8,7 +8,7 @@ Configured from the environment by the test that starts the nodes:
 - ``CRL_PREFIX``, ``CRL_RATE``; ``CRL_POLICY`` (``ratelimit_on_redis_error``),
   ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``;
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
-  ``visibility_timeout``.
+  ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ).
 
 Tasks are ``acks_late`` with ``reject_on_worker_lost``: a killed worker's task is
 delivered again.
@@ -45,13 +45,17 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     task_acks_late=True,
     task_reject_on_worker_lost=True,
+    task_default_queue=os.environ.get("CRL_QUEUE", "celery"),
 )
 if os.environ.get("CRL_VISIBILITY"):
-    # a low visibility timeout, swept every second, redelivers a killed node's messages soon
+    # a low visibility timeout, swept every second, redelivers a killed node's messages
+    # soon; the sweep's lock expires soon too (a node killed holding it would otherwise
+    # stop every sweep for the default 5 minutes)
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["CRL_VISIBILITY"]),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 5,
     }
 _client: redis.Redis | None = None
 
