@@ -277,8 +277,9 @@ def test_five_thousand_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
     )
     assert counts["lost"] == counts["duplicated"] == 0, counts
     assert max_grants(runs, window_us) <= limit
-    # no key left means no entry left; the dataset's bytes are printed, not asserted:
-    # they moved by +100 KB once with no key left (allocator and table sizes)
+    # no key left means no entry left. The dataset's bytes are printed, not asserted:
+    # with no key left they rise once by 50-100 KB and then stay flat over further
+    # rounds of the same load (measured: +49 KB, then +1.6 KB, +0, +0), not a leak
     assert keys_after == 0
     assert client.info("memory")["number_of_cached_scripts"] == scripts
     client.close()
