@@ -82,7 +82,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         if name in b:
             add(f"2. server us/decision, {name}", b[name]["usec_per_call"], "", None)
     for name, row in results["limiter"]["c_memory"].items():
-        if "usec_per_decision" in row:
+        if row.get("bound"):
+            add(f"3. bound: {name} (bytes/entry)", row["bytes_per_entry"], "bound", None)
+        elif "usec_per_decision" in row:
             add(
                 f"3. bound: {name} (bytes/entry; server us/decision {row['usec_per_decision']})",
                 row["bytes_per_entry"],
@@ -147,13 +149,17 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             ">= 0.95",
             o["ratio"] >= 0.95,
         )
-        if "one_round_trip_ratio" in o:
-            add(
-                f"8. bound: tasks/s with one more PING per task / without {tag}",
-                o["one_round_trip_ratio"],
-                "bound",
-                None,
-            )
+        for bound, what in (
+            ("one_round_trip", "PING"),
+            ("one_script_call", "EVALSHA of 'return 1'"),
+        ):
+            if f"{bound}_ratio" in o:
+                add(
+                    f"8. bound: tasks/s with one more {what} per task / without {tag}",
+                    o[f"{bound}_ratio"],
+                    "bound",
+                    None,
+                )
     return out
 
 

@@ -84,3 +84,18 @@ def one_round_trip(self: Any) -> None:
     record(self)
     assert _client is not None
     _client.ping()
+
+
+_noop_sha: str | None = None
+
+
+@app.task(bind=True)
+def one_script_call(self: Any) -> None:
+    """The bound of any limiter in a Lua script: the same task plus one EVALSHA of a
+    script that does nothing (``return 1``)."""
+    global _noop_sha
+    record(self)
+    assert _client is not None
+    if _noop_sha is None:
+        _noop_sha = _client.script_load("return 1")
+    _client.evalsha(_noop_sha, 0)

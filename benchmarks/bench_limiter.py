@@ -199,6 +199,16 @@ def memory(server: RedisServer) -> dict[str, Any]:
     key = limiter.keys_for("counter", counter)[0]
     out["counter"] = {"bytes": int(client.memory_usage(key, samples=0))}
     out.update(_listpack_tuning(client, limiter))
+    # What a log outside a sorted set would take: 10,000 stamps as stream entries (ID =
+    # the microsecond, one empty field), which Redis packs into listpacks it appends to.
+    stamp = int(time.time() * 1_000_000)
+    pipe = client.pipeline(transaction=False)
+    for i in range(10_000):
+        pipe.xadd("stream-log", {"": ""}, id=f"{stamp + 100 * i}-1")
+    pipe.execute()
+    used = int(client.memory_usage("stream-log", samples=0))
+    out["log 10000 as a stream"] = {"bytes_per_entry": round(used / 10_000, 1), "bound": True}
+    client.delete("stream-log")
     client.close()
     return out
 

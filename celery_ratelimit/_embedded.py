@@ -72,6 +72,9 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
     def start(self) -> None:
+        """Start the server (the constructor already has; again after :meth:`stop`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return  # already running: a second process would be left behind
         cmd = [
             self.binary,
             "--port", str(self.port),

@@ -43,21 +43,37 @@ def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
     limiter.close()
 
 
-@pytest.fixture
-def fleet(
-    servers: tuple[RedisServer, RedisServer], tmp_path: Path, request: pytest.FixtureRequest
+def running_fleet(
+    servers: tuple[RedisServer, RedisServer],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    broker_url: str | None = None,
 ) -> Iterator[Fleet]:
+    """A Fleet on the Redis broker, or on ``broker_url`` with a queue of its own (and
+    deleted after); the runs are kept on Redis either way."""
     broker, limiter = servers
+    prefix = unique_prefix(request.node.name)
     fleet = Fleet(
         tmp_path,
-        broker_url=f"redis://127.0.0.1:{broker.port}/1",
+        broker_url=broker_url or f"redis://127.0.0.1:{broker.port}/1",
         limiter_url=limiter.url,
         runs_url=f"redis://127.0.0.1:{broker.port}/3",
-        prefix=unique_prefix(request.node.name),
+        prefix=prefix,
+        queue=prefix if broker_url else "celery",
     )
     yield fleet
     print_on_failure(request, fleet)
     fleet.stop()
+    if broker_url:
+        with Connection(broker_url, connect_timeout=5) as conn:
+            conn.default_channel.queue_delete(prefix)
+
+
+@pytest.fixture
+def fleet(
+    servers: tuple[RedisServer, RedisServer], tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Fleet]:
+    yield from running_fleet(servers, tmp_path, request)
 
 
 def holding_a_later_copy(fleet: Fleet, ahead: float, timeout: float = 10) -> Node:
@@ -144,21 +160,7 @@ def rabbitmq_fleet(
 ) -> Iterator[Fleet]:
     """Nodes on the machine's RabbitMQ, on a queue of their own (runs kept on Redis)."""
     require_rabbitmq()
-    broker, limiter = servers
-    prefix = unique_prefix(request.node.name)
-    fleet = Fleet(
-        tmp_path,
-        broker_url=RABBITMQ_URL,
-        limiter_url=limiter.url,
-        runs_url=f"redis://127.0.0.1:{broker.port}/3",
-        prefix=prefix,
-        queue=prefix,
-    )
-    yield fleet
-    print_on_failure(request, fleet)
-    fleet.stop()
-    with Connection(RABBITMQ_URL, connect_timeout=5) as conn:
-        conn.default_channel.queue_delete(prefix)
+    yield from running_fleet(servers, tmp_path, request, RABBITMQ_URL)
 
 
 @pytest.mark.rabbitmq
