@@ -214,7 +214,7 @@ def main() -> None:
         }
     finally:
         server.close()
-    backlog, overhead = (200, 300) if args.quick else (400, 1000)
+    backlog, overhead = (200, 300) if args.quick else (400, 2000)
     results["celery_redis"] = bench_celery.run("redis", "20/s", backlog, overhead)
     if bench_celery.rabbitmq_reachable():
         results["celery_rabbitmq"] = bench_celery.run("rabbitmq", "20/s", backlog, overhead)

@@ -8,7 +8,11 @@ nodes whose clocks disagreed with the sender's. The limiter decides by Redis's c
 (``TIME``), so that clock is the common frame for the ETAs of deferred tasks:
 
 - the deferring worker publishes ``eta`` = Redis's now + countdown, knowing Redis's
-  now from its latest decision (:func:`observe`: ``Decision.at`` against ``time.time()``);
+  now from its decisions (:func:`observe`: ``Decision.at`` against the local times the
+  call was sent and answered; the sample with the shortest round trip of the last
+  :data:`OFFSET_TTL` seconds is kept: on a loaded machine a process descheduled
+  before it reads a reply sees that reply 100 ms late or more, and an offset taken
+  from it alone made copies arrive that much before their slots);
 - the receiving worker, in the ``task_received`` signal (sent before Celery schedules
   the ETA), moves the ``eta`` of a deferred task (one with a ``ratelimit_deferrals``
   header) from Redis time to its own clock, with its offset to Redis measured by one
@@ -35,21 +39,37 @@ from ._settings import limiter_for
 
 logger = logging.getLogger("celery_ratelimit")
 
-#: Seconds a receiving worker trusts its measured offset to Redis before measuring again.
+#: Seconds a measured offset to Redis is trusted before it is measured again.
 OFFSET_TTL = 60.0
+#: A receiving worker whose best of three TIME samples took longer than this (seconds:
+#: the offset is uncertain by half of it) measures again after a second, not a minute.
+TRUSTED_ROUND_TRIP = 0.02
 #: Redis time minus local time, seconds, and when it was measured (time.monotonic()).
 _offset: float | None = None
 _measured_at = -OFFSET_TTL
+#: The deferring side's best sample: its round trip (seconds) and when it was taken.
+_observed_rtt = float("inf")
+_observed_at = -OFFSET_TTL
 
 
-def observe(decision: Decision, local_now: float) -> None:
-    """Note this process's clock offset to Redis from a decision just received."""
-    global _offset, _measured_at
+def observe(decision: Decision, sent: float, answered: float) -> None:
+    """Note this process's clock offset to Redis from a decision: ``sent`` and
+    ``answered`` are the local ``time.time()`` just before the call and just after.
+
+    The script read Redis's clock somewhere in between, so the sample is uncertain by
+    half the round trip: it replaces the one in use only if its round trip is no
+    longer, or if that one is older than :data:`OFFSET_TTL`.
+    """
+    global _offset, _observed_rtt, _observed_at
+    rtt = answered - sent
+    now = time.monotonic()
+    if rtt > _observed_rtt and now - _observed_at < OFFSET_TTL:
+        return
     # a reservation or a held start is answered with its instant and the time to it
     ahead = decision.reserved or decision.allowed
     redis_now = decision.at - (decision.retry_after if ahead else 0.0)
-    _offset = redis_now - local_now
-    _measured_at = time.monotonic()
+    _offset = redis_now - (sent + answered) / 2
+    _observed_rtt, _observed_at = rtt, now
 
 
 def redis_eta(countdown: float) -> datetime.datetime:
@@ -76,7 +96,9 @@ def _measured_offset(app: Any) -> float | None:
     except Exception as exc:  # keep the last offset; try again after OFFSET_TTL
         logger.debug("ratelimit: could not read Redis TIME: %s", exc)
         return _offset
-    _offset = min(samples)[1]  # the sample with the shortest round trip
+    rtt, _offset = min(samples)  # the sample with the shortest round trip
+    if rtt > TRUSTED_ROUND_TRIP:
+        _measured_at -= OFFSET_TTL - 1.0  # a busy moment: measure again in a second
     return _offset
 
 

@@ -210,7 +210,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     while True:
         try:
             mode = CONFIRM if token else (RESERVE if reserve else ACQUIRE)
-            started = time.perf_counter()
+            sent = time.time()
             decision = limiter.decide(
                 redis_keys,
                 plan.limits,
@@ -233,9 +233,10 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             countdown = setting("ratelimit_redis_error_countdown", app, task, request)
             token = _defer(task, plan, keys, args, kwargs, countdown, None, f"Redis error: {exc}")
             continue
-        observe(decision, time.time())
+        answered = time.time()
+        observe(decision, sent, answered)
         if metrics is not None:
-            elapsed = time.perf_counter() - started
+            elapsed = max(answered - sent, 0.0)
             metrics.decision(plan.limits, decision, elapsed, decision.allowed, mode)
         if decision.allowed:
             if decision.retry_after > 0:
