@@ -10,9 +10,9 @@ nodes whose clocks disagreed with the sender's. The limiter decides by Redis's c
 - the deferring worker publishes ``eta`` = Redis's now + countdown, knowing Redis's
   now from its decisions (:func:`observe`: ``Decision.at`` against the local times the
   call was sent and answered; the sample with the shortest round trip of the last
-  :data:`OFFSET_TTL` seconds is kept: on a loaded machine a process descheduled
-  before it reads a reply sees that reply 100 ms late or more, and an offset taken
-  from it alone made copies arrive that much before their slots);
+  :data:`OFFSET_TTL` seconds is kept unless a later one rules it out: on a loaded
+  machine a process descheduled before it reads a reply sees that reply 100 ms late
+  or more, and an offset taken from it alone made copies arrive that much early);
 - the receiving worker, in the ``task_received`` signal (sent before Celery schedules
   the ETA), moves the ``eta`` of a deferred task (one with a ``ratelimit_deferrals``
   header) from Redis time to its own clock, with its offset to Redis measured by one
@@ -56,18 +56,24 @@ def observe(decision: Decision, sent: float, answered: float) -> None:
     """Note this process's clock offset to Redis from a decision: ``sent`` and
     ``answered`` are the local ``time.time()`` just before the call and just after.
 
-    The script read Redis's clock somewhere in between, so the sample is uncertain by
-    half the round trip: it replaces the one in use only if its round trip is no
-    longer, or if that one is older than :data:`OFFSET_TTL`.
+    The script read Redis's clock somewhere in between, so the offset lies between
+    ``at - answered`` and ``at - sent``. The sample replaces the one in use if its round
+    trip is no longer, if that one is older than :data:`OFFSET_TTL`, or if that one
+    falls outside this sample's bounds (a clock was stepped since).
     """
     global _offset, _observed_rtt, _observed_at
-    rtt = answered - sent
-    now = time.monotonic()
-    if rtt > _observed_rtt and now - _observed_at < OFFSET_TTL:
-        return
     # a reservation or a held start is answered with its instant and the time to it
     ahead = decision.reserved or decision.allowed
     redis_now = decision.at - (decision.retry_after if ahead else 0.0)
+    rtt = answered - sent
+    now = time.monotonic()
+    if (
+        rtt > _observed_rtt
+        and now - _observed_at < OFFSET_TTL
+        and _offset is not None
+        and redis_now - answered <= _offset <= redis_now - sent
+    ):
+        return  # a looser sample that agrees with the one in use
     _offset = redis_now - (sent + answered) / 2
     _observed_rtt, _observed_at = rtt, now
 

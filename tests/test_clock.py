@@ -70,3 +70,12 @@ def test_offset_from_real_decisions_on_this_machine_is_a_few_ms(redis_url: str) 
     # Redis runs on this machine's clock: only the round trip separates them
     assert abs(eta_offset()) < 0.005
     limiter.reset("clock", limits)
+
+
+def test_a_stepped_clock_is_followed_at_once() -> None:
+    t = 1_000_000.0
+    _clock.observe(granted_at(t + 2.0), t - 0.0005, t + 0.0005)
+    # the local clock was stepped 3 s back: even a loose sample rules the old offset out
+    # (Redis read its clock between sent and answered, so the offset lies in 5 +- 0.15)
+    _clock.observe(granted_at(t + 10.0 + 5.0), t + 10.0 - 0.15, t + 10.0 + 0.15)
+    assert eta_offset() == pytest.approx(5.0, abs=0.01)
