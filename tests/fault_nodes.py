@@ -264,6 +264,17 @@ def due_times(lines: Iterable[str]) -> dict[str, float]:
     return due
 
 
+def published_times(lines: Iterable[str]) -> dict[str, float]:
+    """When each deferred task's newest copy was published (epoch seconds, log clock)."""
+    published: dict[str, float] = {}
+    for line in lines:
+        if match := _DEFERRED_FOR.search(line):
+            stamp, task_id, _ = match.groups()
+            logged = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            published[task_id] = max(published.get(task_id, 0.0), logged)
+    return published
+
+
 def deferred_ids(lines: Iterable[str]) -> set[str]:
     """Task ids named by ``ratelimit: deferred`` log lines."""
     return {m.group(1) for line in lines if (m := _DEFERRED.search(line))}
