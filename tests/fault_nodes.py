@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,25 +253,28 @@ _DEFERRED_FOR = re.compile(
 )
 
 
-def due_times(lines: Iterable[str]) -> dict[str, float]:
-    """When each deferred task's newest copy is due (epoch seconds, by the log's clock)."""
-    due: dict[str, float] = {}
+def _deferrals(lines: Iterable[str]) -> Iterator[tuple[str, float, float]]:
+    """(task id, when the copy was published, its countdown) per ``deferred`` line."""
     for line in lines:
         if match := _DEFERRED_FOR.search(line):
             stamp, task_id, countdown = match.groups()
             logged = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            due[task_id] = max(due.get(task_id, 0.0), logged + float(countdown))
+            yield task_id, logged, float(countdown)
+
+
+def due_times(lines: Iterable[str]) -> dict[str, float]:
+    """When each deferred task's newest copy is due (epoch seconds, by the log's clock)."""
+    due: dict[str, float] = {}
+    for task_id, logged, countdown in _deferrals(lines):
+        due[task_id] = max(due.get(task_id, 0.0), logged + countdown)
     return due
 
 
 def published_times(lines: Iterable[str]) -> dict[str, float]:
     """When each deferred task's newest copy was published (epoch seconds, log clock)."""
     published: dict[str, float] = {}
-    for line in lines:
-        if match := _DEFERRED_FOR.search(line):
-            stamp, task_id, _ = match.groups()
-            logged = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            published[task_id] = max(published.get(task_id, 0.0), logged)
+    for task_id, logged, _ in _deferrals(lines):
+        published[task_id] = max(published.get(task_id, 0.0), logged)
     return published
 
 
