@@ -109,19 +109,12 @@ class Bench:
         self.client.config_resetstat()
         if broker is not None:
             broker.config_resetstat()
-        control = self.tasks.app.control
         if queued_first:
-            self._expect_replies(
-                control.cancel_consumer(
-                    self.queue, reply=True, timeout=5, limit=len(self.nodes.procs)
-                )
-            )
+            self._consume(False)
         for _ in range(count):
             task.delay()
         if queued_first:
-            self._expect_replies(
-                control.add_consumer(self.queue, reply=True, timeout=5, limit=len(self.nodes.procs))
-            )
+            self._consume(True)
         deadline = time.monotonic() + timeout
         while self.client.llen(runs_key) < count and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -147,8 +140,13 @@ class Bench:
             broker.close()
         return result
 
-    def _expect_replies(self, replies: list[Any] | None) -> None:
-        if len(replies or ()) != len(self.nodes.procs):
+    def _consume(self, on: bool) -> None:
+        """Every node starts (or stops) consuming the benchmark's queue."""
+        control = self.tasks.app.control
+        command = control.add_consumer if on else control.cancel_consumer
+        nodes = len(self.nodes.procs)
+        replies = command(self.queue, reply=True, timeout=5, limit=nodes)
+        if len(replies or ()) != nodes:
             raise RuntimeError(f"not every node answered the remote control: {replies}")
 
     def run(self) -> dict[str, Any]:
