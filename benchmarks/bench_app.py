@@ -9,12 +9,13 @@ CRL_BENCH_RATE. Each task appends ``"<started_us> <granted_us> <deferrals>"`` to
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
 from celery import Celery
 
-from celery_ratelimit import Limit, RateLimitedTask
+from celery_ratelimit import Limit, RateLimitedTask, _clock
 
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
 REDIS = os.environ.get("CRL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -31,11 +32,15 @@ _client: redis.Redis | None = None
 
 
 def record(task: Any) -> None:
+    """The body's start, read from this process's clock moved to Redis time (the offset
+    the library keeps; every node shares the machine's clock here). A ``TIME`` call
+    would stamp when the limiter's redis-server answered: on a loaded VM that server
+    is sometimes descheduled for 50-100 ms, and the bodies that asked it meanwhile were
+    stamped together at its return, as if they had started bunched."""
     global _client
+    now = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
     if _client is None:
         _client = redis.Redis.from_url(REDIS)
-    seconds, micros = _client.time()
-    now = seconds * 1_000_000 + micros
     decision = getattr(task.request, "ratelimit_decision", None)
     granted = int(decision.at * 1_000_000) if decision else now
     deferrals = getattr(task.request, "ratelimit_deferrals", 0) or 0

@@ -274,7 +274,7 @@ class Limiter:
         ``hold`` (seconds, ``"log"`` only): a reservation or confirmation whose start is
         at most this far ahead is counted as started at that instant and answered
         ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
-        with no second call (the Celery layer waits in-process up to 0.1 s).
+        with no second call (the Celery layer waits in-process up to 0.2 s).
         """
         if isinstance(cost, int):
             costs = [cost] * len(limits)
