@@ -173,6 +173,11 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
         InvalidLimit: an empty list, or limits of different algorithms in one list.
         TypeError: an item that is none of the above.
     """
+    if isinstance(spec, (list, tuple)) and spec and all(type(item) is Limit for item in spec):
+        # the common case, on every direct acquire(): Limits of one algorithm
+        first = spec[0].algorithm
+        if all(item.algorithm == first for item in spec):
+            return tuple(spec)
     if isinstance(spec, (str, Rate)):
         items: Sequence[object] = [Limit(spec)]
     elif isinstance(spec, Limit):

@@ -33,8 +33,6 @@ DEFAULT_HORIZON = 3600.0
 KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
-#: The script's first four numbers: mode, horizon, guard and hold (lua/sliding_log.lua).
-_HEAD = struct.Struct("<4d")
 
 
 class Limiter:
@@ -67,8 +65,9 @@ class Limiter:
         # (key, limits) -> Redis keys: escaping and formatting are most of the Python
         # cost of a decision, and a process decides for few distinct keys
         self._keys: dict[tuple[str | tuple[str, ...], tuple[Limit, ...]], list[str]] = {}
-        # (limits, costs) -> their part of the script's packed numbers, checked once
-        self._packed: dict[tuple[tuple[Limit, ...], tuple[int, ...]], bytes] = {}
+        # (limits, costs, mode, horizon, guard, hold) -> the script's packed numbers,
+        # checked once
+        self._packed: dict[tuple[Any, ...], bytes] = {}
 
     @classmethod
     def from_url(
@@ -225,16 +224,32 @@ class Limiter:
             )
         return keys
 
-    def _pack_limits(self, limits: tuple[Limit, ...], costs: list[int]) -> bytes:
-        """(limit, window, cost) of every limit as packed doubles, checked on first use."""
-        if all(type(one) is int for one in costs):  # a bool would hash like an int
+    def _numbers(
+        self,
+        limits: tuple[Limit, ...],
+        costs: list[int],
+        mode: int,
+        horizon: float,
+        guard: float,
+        hold: float,
+    ) -> bytes:
+        """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
+        cost) of every limit, as packed doubles; checked and packed on first use."""
+        cacheable = all(type(one) is int for one in costs)  # a bool would hash like an int
+        if cacheable:
+            key = (limits, tuple(costs), mode, horizon, guard, hold)
             try:
-                return self._packed[limits, tuple(costs)]
+                return self._packed[key]
             except KeyError:
                 pass
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
-        numbers: list[int] = []
+        numbers: list[int] = [
+            mode,
+            int(horizon * 1_000_000),
+            int(guard * 1_000_000),
+            int(hold * 1_000_000),
+        ]
         for limit, one in zip(limits, costs, strict=True):
             check_cost(one)
             if one > limit.rate.limit:
@@ -244,9 +259,10 @@ class Limiter:
                 )
             numbers += (limit.rate.limit, limit.rate.window_us, one)
         packed = struct.pack(f"<{len(numbers)}d", *numbers)
-        if len(self._packed) >= KEY_CACHE_SIZE:
-            self._packed.clear()
-        self._packed[limits, tuple(costs)] = packed
+        if cacheable:
+            if len(self._packed) >= KEY_CACHE_SIZE:
+                self._packed.clear()
+            self._packed[key] = packed
         return packed
 
     def decide(
@@ -285,12 +301,9 @@ class Limiter:
             costs = list(cost)
         else:
             raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        packed = self._pack_limits(limits, costs)
-        head = _HEAD.pack(
-            mode, int(horizon * 1_000_000), int(guard * 1_000_000), int(hold * 1_000_000)
-        )
+        numbers = self._numbers(limits, costs, mode, horizon, guard, hold)
         token_bytes = bytes.fromhex(token) if token else os.urandom(8)
-        args = [token_bytes, head + packed]
+        args = [token_bytes, numbers]
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
@@ -313,20 +326,21 @@ class Limiter:
                 reply = script(keys=every, args=args)  # loads the script, then runs it
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
-        status, remaining, retry_us, reset_us, denied_by, at_us = map(int, reply)
+        status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
             return self.decide(
                 keys, limits, costs, RESERVE, horizon=horizon, guard=guard, hold=hold
             )
-        return Decision(
-            allowed=status in (ALLOWED, STARTS_AT),
-            remaining=remaining,
-            retry_after=retry_us / 1_000_000,
-            reset_after=reset_us / 1_000_000,
-            limit=limits[denied_by - 1] if denied_by else None,
-            reserved=status in (RESERVED, NOT_YET_DUE),
-            token=token_bytes.hex() if status in (RESERVED, NOT_YET_DUE) else None,
-            at=at_us / 1_000_000,
+        reserved = status in (RESERVED, NOT_YET_DUE)
+        return Decision(  # allowed, remaining, retry_after, reset_after, limit, reserved,
+            status in (ALLOWED, STARTS_AT),  # token, at (positional: a little quicker)
+            remaining,
+            retry_us / 1_000_000,
+            reset_us / 1_000_000,
+            limits[denied_by - 1] if denied_by else None,
+            reserved,
+            token_bytes.hex() if reserved else None,
+            at_us / 1_000_000,
         )
