@@ -203,22 +203,38 @@ def main() -> None:
     started = time.monotonic()
     rounds, calls = (3, 1000) if args.quick else (9, 2000)
     results: dict[str, Any] = {"machine": machine()}
+    sections: dict[str, float] = {}
+
+    def timed(name: str, run: Any, *args: Any) -> Any:
+        begun = time.monotonic()
+        try:
+            return run(*args)
+        finally:
+            sections[name] = round(time.monotonic() - begun, 1)
+
     server = RedisServer()
     try:
         results["limiter"] = {
             "redis_version": server.client().info("server")["redis_version"],
-            "a_client_side": bench_limiter.client_side(server, rounds, calls),
-            "b_server_side": bench_limiter.server_side(server, rounds, calls),
-            "c_memory": bench_limiter.memory(server),
-            "d_throughput": bench_limiter.throughput(server, 1.0 if args.quick else 2.0),
+            "a_client_side": timed("1", bench_limiter.client_side, server, rounds, calls),
+            "b_server_side": timed("2", bench_limiter.server_side, server, rounds, calls),
+            "c_memory": timed("3", bench_limiter.memory, server),
+            "d_throughput": timed(
+                "4", bench_limiter.throughput, server, 1.0 if args.quick else 2.0
+            ),
         }
     finally:
         server.close()
     backlog, overhead = (200, 300) if args.quick else (400, 2000)
-    results["celery_redis"] = bench_celery.run("redis", "20/s", backlog, overhead)
+    results["celery_redis"] = timed(
+        "celery redis", bench_celery.run, "redis", "20/s", backlog, overhead
+    )
     if bench_celery.rabbitmq_reachable():
-        results["celery_rabbitmq"] = bench_celery.run("rabbitmq", "20/s", backlog, overhead)
+        results["celery_rabbitmq"] = timed(
+            "celery rabbitmq", bench_celery.run, "rabbitmq", "20/s", backlog, overhead
+        )
     results["seconds"] = round(time.monotonic() - started, 1)
+    results["section_seconds"] = sections
     table = rows(results)
     width = max(len(r[0]) for r in table)
     print(f"\n{results['machine']}, Redis {results['limiter']['redis_version']}")
@@ -229,7 +245,8 @@ def main() -> None:
     (RESULTS / "all.json").write_text(json.dumps(results, indent=1) + "\n")
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
-    print(f"raw figures: {RESULTS / 'all.json'} ({results['seconds']}s in all)")
+    parts = ", ".join(f"{name} {secs}s" for name, secs in sections.items())
+    print(f"raw figures: {RESULTS / 'all.json'} ({results['seconds']}s in all: {parts})")
 
 
 if __name__ == "__main__":

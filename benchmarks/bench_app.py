@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_ratelimit import Limit, RateLimitedTask, _clock
+from celery_ratelimit._client import HeldConnection
 
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
 REDIS = os.environ.get("CRL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -29,6 +30,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 _client: redis.Redis | None = None
+#: the bounds' round trips go the way the limiter's do: on a connection held for them
+_held: HeldConnection | None = None
 
 
 def record(task: Any) -> None:
@@ -37,10 +40,11 @@ def record(task: Any) -> None:
     would stamp when the limiter's redis-server answered: on a loaded VM that server
     is sometimes descheduled for 50-100 ms, and the bodies that asked it meanwhile were
     stamped together at its return, as if they had started bunched."""
-    global _client
+    global _client, _held
     now = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
     if _client is None:
         _client = redis.Redis.from_url(REDIS)
+        _held = HeldConnection.for_client(_client)
     decision = getattr(task.request, "ratelimit_decision", None)
     granted = int(decision.at * 1_000_000) if decision else now
     deferrals = getattr(task.request, "ratelimit_deferrals", 0) or 0
@@ -87,8 +91,8 @@ def one_round_trip(self: Any) -> None:
     """The bound: the same task plus one PING to the limiter's Redis, i.e. what any
     shared limit costs at least (one round trip before the body), with no script."""
     record(self)
-    assert _client is not None
-    _client.ping()
+    assert _held is not None
+    _held.call("PING")
 
 
 _noop_sha: str | None = None
@@ -100,7 +104,7 @@ def one_script_call(self: Any) -> None:
     script that does nothing (``return 1``)."""
     global _noop_sha
     record(self)
-    assert _client is not None
+    assert _client is not None and _held is not None
     if _noop_sha is None:
         _noop_sha = _client.script_load("return 1")
-    _client.evalsha(_noop_sha, 0)
+    _held.call("EVALSHA", _noop_sha, 0)

@@ -1,8 +1,10 @@
 """Limiter cost, side by side on one private redis-server: ``python -m benchmarks.bench_limiter``.
 
-(a) client-side: mean ``acquire`` time over mean ``PING`` time on the same client,
-    interleaved rounds, for a limit that never binds, a limit that binds (mostly
-    denials), and ``limits``' moving window as an anchor.
+(a) client-side: mean ``acquire`` time over mean ``PING`` time on the same client
+    (``client.ping()``: a pooled connection, redis-py's usual path), interleaved
+    rounds, for a limit that never binds, a limit that binds (mostly denials), the
+    anchors (``limits``, ``throttled-py``), and the bounds: a PING, an EVALSHA of
+    ``return 1`` and the floor script sent on a held connection, as ours is.
 (b) server-side: ``cmdstat_evalsha`` microseconds per call (INFO commandstats after
     CONFIG RESETSTAT) at cost 1 and cost 1000, and with 2 and 4 stacked limits, in
     steady state (entries expire as fast as they arrive).
@@ -27,6 +29,7 @@ from typing import Any
 import redis
 
 from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._client import HeldConnection
 from tests.redis_server import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
@@ -67,14 +70,20 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     limiter = Limiter(client, prefix="bench-a")
     free = [Limit("1000000000/s")]
     binding = [Limit("100/s")]
-    noop = client.register_script(NOOP_SCRIPT)
-    floor = client.register_script(FLOOR_SCRIPT)
+    # the bounds send on a connection of their own, as the limiter does (HeldConnection)
+    held = HeldConnection.for_client(server.client())
+    assert held is not None
+    noop = client.script_load(NOOP_SCRIPT)
+    floor = client.script_load(FLOOR_SCRIPT)
     ops: dict[str, Callable[[], object]] = {
         "ping": client.ping,
         "acquire (not binding)": lambda: limiter.acquire("free", free),
         "acquire (binding)": lambda: limiter.acquire("busy", binding),
-        "bound: EVALSHA of 'return 1'": noop,
-        "bound: floor script (4 commands)": lambda: floor(keys=["floor-a"], args=[os.urandom(8)]),
+        "bound: PING on a held connection": lambda: held.call("PING"),
+        "bound: EVALSHA of 'return 1'": lambda: held.call("EVALSHA", noop, 0),
+        "bound: floor script (4 commands)": lambda: held.call(
+            "EVALSHA", floor, 1, "floor-a", os.urandom(8)
+        ),
     }
     try:
         from limits import parse
