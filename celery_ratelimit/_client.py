@@ -94,10 +94,6 @@ def client_from_url(
     )
 
 
-#: What :meth:`HeldConnection.call` answers when another thread holds the connection.
-BUSY = object()
-
-
 class HeldConnection:
     """One connection of a client's pool, kept by this process for its own commands.
 
@@ -108,13 +104,14 @@ class HeldConnection:
     and ``return 1``). This keeps one connection and sends on it directly, with the
     connection's own retry policy (the client's ``retry``: one retry on a connection
     that a Redis restart closed). One caller at a time: a thread that finds it busy
-    (``-P threads``, gevent) gets :data:`BUSY` and uses the client as usual. Only for
+    (``-P threads``, gevent) sends through the client as usual. Only for
     a plain ``redis.Redis`` on a non-blocking pool (a ``BlockingConnectionPool`` may
     have no connection to spare); ``None`` from :meth:`for_client` otherwise.
     """
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._pool = client.connection_pool
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
@@ -129,16 +126,17 @@ class HeldConnection:
             or isinstance(pool, redis.BlockingConnectionPool)
         ):
             return None
-        return cls(pool)
+        return cls(client)
 
     def call(self, *args: Any) -> Any:
-        """The raw reply of one command (no response callback), or :data:`BUSY`.
+        """The reply of one command, as ``client.execute_command(*args)`` gives it for
+        a command with no response callback (``EVALSHA``, ``PING`` as sent here).
 
         Raises:
             redis.RedisError: as ``execute_command`` would (after the retry policy).
         """
         if not self._lock.acquire(blocking=False):
-            return BUSY
+            return self._client.execute_command(*args)
         try:
             conn = self._conn
             if conn is None or self._pid != os.getpid():

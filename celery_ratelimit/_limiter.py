@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from ._client import BUSY, HeldConnection, client_from_url
+from ._client import HeldConnection, client_from_url
 from ._decision import Decision
 from ._exceptions import InvalidLimit, LimiterUnavailable
 from ._keys import escape_key, redis_key
@@ -61,7 +61,9 @@ class Limiter:
             "counter": client.register_script(source("sliding_counter")),
         }
         self._cluster = hasattr(client, "get_nodes")
-        self._held = HeldConnection.for_client(client)
+        held = HeldConnection.for_client(client)
+        # the script's EVALSHA: on a connection held for it when the client allows
+        self._send = held.call if held is not None else client.execute_command
         # (key, limits) -> Redis keys: escaping and formatting are most of the Python
         # cost of a decision, and a process decides for few distinct keys
         self._keys: dict[tuple[str | tuple[str, ...], tuple[Limit, ...]], list[str]] = {}
@@ -315,13 +317,7 @@ class Limiter:
         script = self._scripts[algorithm]
         try:
             try:
-                reply: Any = (
-                    self._held.call("EVALSHA", script.sha, len(every), *every, *args)
-                    if self._held is not None
-                    else BUSY
-                )
-                if reply is BUSY:
-                    reply = self.client.evalsha(script.sha, len(every), *every, *args)
+                reply = self._send("EVALSHA", script.sha, len(every), *every, *args)
             except redis.exceptions.NoScriptError:
                 reply = script(keys=every, args=args)  # loads the script, then runs it
         except redis.RedisError as exc:

@@ -121,8 +121,8 @@ def test_a_call_interrupted_before_its_reply_leaves_nothing_for_the_next(
 ) -> None:
     limiter = Limiter.from_url(redis_url, prefix=f"held-{uuid.uuid4().hex[:8]}")
     assert limiter.acquire("k", "3/1m").remaining == 2
-    held = limiter._held
-    assert held is not None and held._conn is not None
+    held = getattr(limiter._send, "__self__", None)
+    assert isinstance(held, HeldConnection) and held._conn is not None
     conn = held._conn
 
     def interrupted(*_: Any, **__: Any) -> None:
