@@ -160,6 +160,12 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "bound",
                     None,
                 )
+        if "cpu_ratio" in o:
+            for name, what in (
+                ("loose", "8. CPU per task without / with a loose limit"),
+                ("one_script_call", "8. bound: CPU per task without / with one more EVALSHA"),
+            ):
+                add(f"{what} {tag}", o["cpu_ratio"][name], "", None)
     return out
 
 

@@ -14,7 +14,10 @@ measured in this run:
    a full queue, the rate between the 10th and 90th percentile of the starts);
    bounds: the same task with one more Redis round trip and no library, sent as ours
    is (on a held connection): a PING, and an EVALSHA of a script that does nothing
-   (what any limiter in a Lua script pays).
+   (what any limiter in a Lua script pays). With psutil installed, also the CPU time
+   per task of every process involved (the nodes' main processes, their pools, the
+   limiter's Redis, the broker), steadier than the rate on a busy machine, where the
+   CPU is what bounds the rate.
 """
 
 from __future__ import annotations
@@ -103,6 +106,30 @@ class Bench:
         app._pool = None
         app.amqp._producer_pool = None
 
+    def _processes(self) -> dict[str, list[Any]]:
+        """The processes whose CPU a task costs, by role (psutil), or {} without psutil."""
+        try:
+            import psutil
+        except ImportError:
+            return {}
+        groups: dict[str, list[Any]] = {"node main": [], "pool": []}
+        for proc in self.nodes.procs:
+            main = psutil.Process(proc.pid)
+            groups["node main"].append(main)
+            groups["pool"].extend(main.children(recursive=True))
+        for role, server in (("limiter redis", self.limiter_redis), ("broker", self.broker_redis)):
+            if server is not None and server.proc is not None:
+                groups[role] = [psutil.Process(server.proc.pid)]
+        if self.broker_redis is None:  # RabbitMQ, if it runs on this machine
+            groups["broker"] = [
+                p for p in psutil.process_iter(["name"]) if p.info["name"] == "beam.smp"
+            ]
+        return groups
+
+    @staticmethod
+    def _cpu_seconds(groups: dict[str, list[Any]]) -> dict[str, float]:
+        return {role: sum(sum(p.cpu_times()[:2]) for p in procs) for role, procs in groups.items()}
+
     def _calls(self, client: Any, command: str) -> int:
         stats = client.info("commandstats").get(f"cmdstat_{command}", {})
         return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
@@ -124,6 +151,8 @@ class Bench:
         self.client.config_resetstat()
         if broker is not None:
             broker.config_resetstat()
+        groups = self._processes() if queued_first else {}
+        cpu_before = self._cpu_seconds(groups)
         if queued_first:
             self._consume(False)
         for _ in range(count):
@@ -133,6 +162,7 @@ class Bench:
         deadline = time.monotonic() + timeout
         while self.client.llen(runs_key) < count and time.monotonic() < deadline:
             time.sleep(0.05)
+        cpu_after = self._cpu_seconds(groups)
         time.sleep(0.2)  # let a duplicate, if any, show up
         rows = [tuple(int(x) for x in raw.split()) for raw in self.client.lrange(runs_key, 0, -1)]
         starts = [r[0] for r in rows]
@@ -148,6 +178,11 @@ class Bench:
             "deferrals": sum(r[2] for r in rows),
             "publishes_from_records": count + sum(r[2] for r in rows),
             "wall_s": round(time.monotonic() - begun, 2),
+            # CPU microseconds per task, by role (publishing the tasks included)
+            "cpu_us_per_task": {
+                role: round((cpu_after[role] - cpu_before[role]) / count * 1e6, 1)
+                for role in cpu_before
+            },
             "starts_us": starts,
             "grants_us": grants,
         }
@@ -190,12 +225,14 @@ class Bench:
         scenarios_done = time.monotonic()
         names = ("unlimited", "loose", "one_round_trip", "one_script_call")
         throughput: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for name in throughput:  # warm up: each pool process imports and connects once
             self.drain(name, self.overhead_tasks // 4, 120)
         for round_ in range(OVERHEAD_ROUNDS):
             for name in names[round_ % 4 :] + names[: round_ % 4]:  # no fixed order
                 r = self.drain(name, self.overhead_tasks, 120, queued_first=True)
                 throughput[name].append(steady_rate(r["starts_us"]))
+                cpu[name].append(r["cpu_us_per_task"])
         medians = {name: statistics.median(v) for name, v in throughput.items()}
         # each round's ratio to the plain task of the same round, then their median:
         # rounds drift together on a shared machine, a round's ratio much less
@@ -213,6 +250,18 @@ class Bench:
             "one_round_trip_ratio": ratios["one_round_trip"],
             "one_script_call_ratio": ratios["one_script_call"],
         }
+        if cpu["unlimited"] and cpu["unlimited"][0]:
+            # median CPU per task of each role, and the plain task's total over each
+            # variant's: the rate ratio that the CPU alone allows
+            per_role = {
+                name: {role: statistics.median(r[role] for r in rounds) for role in rounds[0]}
+                for name, rounds in cpu.items()
+            }
+            totals = {name: sum(roles.values()) for name, roles in per_role.items()}
+            out["overhead"]["cpu_us_per_task"] = per_role
+            out["overhead"]["cpu_ratio"] = {
+                name: round(totals["unlimited"] / totals[name], 3) for name in names
+            }
         out["seconds"] = {
             "nodes and scenarios 5-7": round(scenarios_done - begun, 1),
             "overhead (8)": round(time.monotonic() - scenarios_done, 1),

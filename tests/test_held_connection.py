@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._client import HeldConnection
+from celery_ratelimit._client import HeldConnection, _exchange_through_connection
 from tests.redis_server import RedisServer
 
 
@@ -123,16 +123,62 @@ def test_a_call_interrupted_before_its_reply_leaves_nothing_for_the_next(
     assert limiter.acquire("k", "3/1m").remaining == 2
     held = getattr(limiter._send, "__self__", None)
     assert isinstance(held, HeldConnection) and held._conn is not None
-    conn = held._conn
+    parser = held._conn._parser  # read by both paths (plain and through the connection)
 
     def interrupted(*_: Any, **__: Any) -> None:
-        del conn.read_response  # once: the instance attribute hides the method
+        del parser.read_response  # once: the instance attribute hides the method
         raise _Interrupted
 
-    conn.read_response = interrupted
+    parser.read_response = interrupted
     with pytest.raises(_Interrupted):
         limiter.acquire("k", "3/1m")  # sent and counted; its reply never read
     # the reply of the interrupted call must not be taken for the next one's
     assert limiter.acquire("k", "3/1m").remaining == 0
     assert not limiter.acquire("k", "3/1m").allowed
     limiter.client.close()
+
+
+def _pool_for(kind: str, redis_url: str) -> redis.ConnectionPool:
+    from redis._parsers import _RESP2Parser
+    from redis.connection import Encoder, PythonRespSerializer
+
+    options: dict[str, Any] = {
+        "hiredis": {},
+        "python parser": {"parser_class": _RESP2Parser},
+        "python packer": {
+            "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        },
+        "RESP3": {"protocol": 3},
+        "health checks": {"health_check_interval": 30},
+    }[kind]
+    return redis.ConnectionPool.from_url(redis_url, **options)
+
+
+@pytest.mark.parametrize(
+    "kind", ["hiredis", "python parser", "python packer", "RESP3", "health checks"]
+)
+def test_every_connection_kind_decides_the_same(redis_url: str, kind: str) -> None:
+    """The held connection sends on the socket itself when the connection is one of
+    redis-py's plain ones (either packer, either parser, either protocol), or through
+    the connection's methods (health checks): the same answers, NOSCRIPT recovered,
+    a script error raised as one."""
+    client = redis.Redis(connection_pool=_pool_for(kind, redis_url))
+    limiter = Limiter(client, prefix=f"held-{uuid.uuid4().hex[:8]}")
+    decisions = [limiter.acquire("k", Limit("2/1m"), reserve=True) for _ in range(3)]
+    assert [(d.allowed, d.remaining, d.reserved) for d in decisions] == [
+        (True, 1, False),
+        (True, 0, False),
+        (False, 0, True),
+    ]
+    assert 59.0 < decisions[2].retry_after <= 60.0
+    client.script_flush()  # the next call meets NOSCRIPT, loads the script and decides
+    assert not limiter.acquire("k", "2/1m").allowed
+    held = getattr(limiter._send, "__self__", None)
+    assert isinstance(held, HeldConnection)
+    # both paths are exercised: only the health checks need the connection's methods
+    assert (held._exchange is _exchange_through_connection) == (kind == "health checks")
+    with pytest.raises(redis.ResponseError, match="unknown command"):
+        held.call("NO-SUCH-COMMAND")
+    assert held.call("PING") in (b"PONG", "PONG", True)  # the connection is still in step
+    assert limiter.peek("k", "2/1m").remaining == 0
+    client.close()
