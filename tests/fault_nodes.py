@@ -115,6 +115,27 @@ class Node:
             balance[task_id] += 1 if what == "received" else -1
         return {task_id for task_id, n in balance.items() if n > 0}
 
+    def unread_bytes(self, port: int) -> list[int]:
+        """Bytes the kernel has received and the node's main process has not read yet, on
+        each of its TCP connections to ``port`` (Linux: ``/proc``). A ``BRPOP`` reply
+        waiting there holds a message already popped from the broker's list."""
+        if self.proc is None:
+            return []
+        inodes = set()
+        for fd in Path(f"/proc/{self.proc.pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        unread = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for row in Path(table).read_text().splitlines()[1:]:
+                # sl local rem st tx_queue:rx_queue tr:when retrnsmt uid timeout inode
+                cols = row.split()
+                if cols[9] in inodes and int(cols[2].rsplit(":", 1)[1], 16) == port:
+                    unread.append(int(cols[4].split(":")[1], 16))
+        return unread
+
     def text(self) -> str:
         return self.log.read_text("utf-8", "replace")
 
@@ -268,14 +289,6 @@ def due_times(lines: Iterable[str]) -> dict[str, float]:
     for task_id, logged, countdown in _deferrals(lines):
         due[task_id] = max(due.get(task_id, 0.0), logged + countdown)
     return due
-
-
-def published_times(lines: Iterable[str]) -> dict[str, float]:
-    """When each deferred task's newest copy was published (epoch seconds, log clock)."""
-    published: dict[str, float] = {}
-    for task_id, logged, _ in _deferrals(lines):
-        published[task_id] = max(published.get(task_id, 0.0), logged)
-    return published
 
 
 def deferred_ids(lines: Iterable[str]) -> set[str]:
