@@ -128,8 +128,8 @@ class Node:
                 if target.startswith("socket:["):
                     inodes.add(target[len("socket:[") : -1])
         unread = []
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            for row in Path(table).read_text().splitlines()[1:]:
+        for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+            for row in table.read_text().splitlines()[1:] if table.exists() else []:
                 # sl local rem st tx_queue:rx_queue tr:when retrnsmt uid timeout inode
                 cols = row.split()
                 if cols[9] in inodes and int(cols[2].rsplit(":", 1)[1], 16) == port:
