@@ -317,7 +317,7 @@ def main(argv: list[str]) -> int:
     print("\n(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)")
     for name, row in results["c_memory"].items():
         per = row.get("bytes_per_entry", "")
-        print(f"    {name:24} {per!s:>8} {row['bytes']:8} {row.get('encoding', '')}")
+        print(f"    {name:24} {per!s:>8} {row.get('bytes', '')!s:>8} {row.get('encoding', '')}")
     print("\n(d) throughput            decisions/s   (one redis-server, one key per client)")
     for name, row in results["d_throughput"].items():
         print(f"    {name:24} {row['decisions_per_s']:8}")

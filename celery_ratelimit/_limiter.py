@@ -229,21 +229,34 @@ class Limiter:
     def _numbers(
         self,
         limits: tuple[Limit, ...],
-        costs: list[int],
+        cost: int | Sequence[int],
         mode: int,
         horizon: float,
         guard: float,
         hold: float,
     ) -> bytes:
         """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
-        cost) of every limit, as packed doubles; checked and packed on first use."""
-        cacheable = all(type(one) is int for one in costs)  # a bool would hash like an int
-        if cacheable:
-            key = (limits, tuple(costs), mode, horizon, guard, hold)
+        cost) of every limit, as packed doubles; checked and packed on first use.
+        ``cost``: one for every limit, or one per limit."""
+        # the cache's key, built for the usual one int cost without a generator: a
+        # bool or a float would hash like an int, so only exact ints are cached
+        if type(cost) is int:
+            shape: tuple[Any, ...] | None = (limits, cost, mode, horizon, guard, hold)
+        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
+            costs = tuple(cost)
+            shape = (limits, costs, mode, horizon, guard, hold)
+            for one in costs:
+                if type(one) is not int:
+                    shape = None
+                    break
+        else:
+            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
+        if shape is not None:
             try:
-                return self._packed[key]
+                return self._packed[shape]
             except KeyError:
                 pass
+        costs = (cost,) * len(limits) if isinstance(cost, int) else tuple(cost)
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
         numbers: list[int] = [
@@ -261,10 +274,10 @@ class Limiter:
                 )
             numbers += (limit.rate.limit, limit.rate.window_us, one)
         packed = struct.pack(f"<{len(numbers)}d", *numbers)
-        if cacheable:
+        if shape is not None:
             if len(self._packed) >= KEY_CACHE_SIZE:
                 self._packed.clear()
-            self._packed[key] = packed
+            self._packed[shape] = packed
         return packed
 
     def decide(
@@ -295,40 +308,35 @@ class Limiter:
         ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
         with no second call (the Celery layer waits in-process up to 0.2 s).
         """
-        if isinstance(cost, int):
-            costs = [cost] * len(limits)
-        elif isinstance(cost, list):
-            costs = cost
-        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
-            costs = list(cost)
-        else:
-            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        numbers = self._numbers(limits, costs, mode, horizon, guard, hold)
+        numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
         token_bytes = bytes.fromhex(token) if token else os.urandom(8)
-        args = [token_bytes, numbers]
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
                 f"limits checked together must share their hash tag (the key's first "
                 f"segment) on Redis Cluster, got keys {keys}"
             )
         algorithm = limits[0].algorithm
-        # each log has a set of its pending reservations
-        every = [*keys, *[k + PENDING for k in keys]] if algorithm == "log" else keys
+        if algorithm != "log":
+            every = keys
+        elif len(keys) == 1:
+            every = [keys[0], keys[0] + PENDING]
+        else:  # each log has a set of its pending reservations
+            every = [*keys, *[k + PENDING for k in keys]]
         script = self._scripts[algorithm]
         try:
             try:
-                reply = self._send("EVALSHA", script.sha, len(every), *every, *args)
+                reply = self._send("EVALSHA", script.sha, len(every), *every, token_bytes, numbers)
             except redis.exceptions.NoScriptError:
-                reply = script(keys=every, args=args)  # loads the script, then runs it
+                reply = script(
+                    keys=every, args=[token_bytes, numbers]
+                )  # loads the script, then runs it
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
-            return self.decide(
-                keys, limits, costs, RESERVE, horizon=horizon, guard=guard, hold=hold
-            )
+            return self.decide(keys, limits, cost, RESERVE, horizon=horizon, guard=guard, hold=hold)
         reserved = status in (RESERVED, NOT_YET_DUE)
         return Decision(  # allowed, remaining, retry_after, reset_after, limit, reserved,
             status in (ALLOWED, STARTS_AT),  # token, at (positional: a little quicker)

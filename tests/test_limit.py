@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
+
 import pytest
 
 from celery_ratelimit import InvalidLimit, InvalidRate, Limit, Limiter, Rate
@@ -95,6 +99,42 @@ def test_limit_lists_are_normalized_and_checked() -> None:
         to_limits([Limit("10/s"), 42])
     with pytest.raises(TypeError, match="None"):
         to_limits(None)
+
+
+def test_a_limit_hashes_as_it_compares_in_this_process_and_after_a_pickle() -> None:
+    """Limits key the limiter's caches and hash once; the hash must not travel in a
+    pickle (string hashes are seeded per process), nor may an unhashable key fail
+    anything but hashing."""
+    limit = Limit("10/s", key="api:{tenant}", name="api")
+    assert hash(limit) == hash(Limit("10/s", key="api:{tenant}", name="api"))
+    assert Limit("10/s") != Limit("10/m") and len({Limit("10/s"), Limit("10/m")}) == 2
+    made_elsewhere = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys; from celery_ratelimit import Limit; "
+            "sys.stdout.buffer.write(pickle.dumps(Limit('10/s', key='api:{tenant}', name='api')))",
+        ],
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+        capture_output=True,
+        check=True,
+    ).stdout
+    loaded = pickle.loads(made_elsewhere)
+    assert loaded == limit and hash(loaded) == hash(limit) and loaded in {limit}
+
+    class Key:  # a callable that compares by value and so cannot be hashed
+        def __call__(self, *args: object) -> str:
+            return "k"
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Key)
+
+        __hash__ = None  # type: ignore[assignment]
+
+    unhashable = Limit("10/s", key=Key())
+    assert unhashable == Limit("10/s", key=Key())
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(unhashable)
 
 
 def test_acquire_refuses_bad_calls_before_touching_redis(limiter: Limiter) -> None:
