@@ -242,7 +242,9 @@ class Limiter:
         # bool or a float would hash like an int, so only exact ints are cached
         if type(cost) is int:
             shape: tuple[Any, ...] | None = (limits, cost, mode, horizon, guard, hold)
-        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
+        elif isinstance(cost, (list, tuple)) or (
+            isinstance(cost, Sequence) and not isinstance(cost, (str, bytes))
+        ):  # (a list, as the Celery layer's, skips the slower ABC check)
             costs = tuple(cost)
             shape = (limits, costs, mode, horizon, guard, hold)
             for one in costs:
