@@ -175,6 +175,10 @@ class Bench:
             "max_grants_per_window": max_in_window(grants, self.rate.window_us),
             "max_starts_per_window": max_in_window(starts, self.rate.window_us),
             "limiter_calls": self._calls(self.client, "evalsha"),
+            # the limiter's Redis time per script call, here under the nodes' load
+            "limiter_usec_per_call": float(
+                self.client.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0)
+            ),
             "deferrals": sum(r[2] for r in rows),
             "publishes_from_records": count + sum(r[2] for r in rows),
             "wall_s": round(time.monotonic() - begun, 2),
@@ -226,6 +230,7 @@ class Bench:
         names = ("unlimited", "loose", "one_round_trip", "one_script_call")
         throughput: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        usec: dict[str, list[float]] = {name: [] for name in names}
         for name in throughput:  # warm up: each pool process imports and connects once
             self.drain(name, self.overhead_tasks // 4, 120)
         for round_ in range(OVERHEAD_ROUNDS):
@@ -233,6 +238,8 @@ class Bench:
                 r = self.drain(name, self.overhead_tasks, 120, queued_first=True)
                 throughput[name].append(steady_rate(r["starts_us"]))
                 cpu[name].append(r["cpu_us_per_task"])
+                if r["limiter_usec_per_call"]:
+                    usec[name].append(r["limiter_usec_per_call"])
         medians = {name: statistics.median(v) for name, v in throughput.items()}
         # each round's ratio to the plain task of the same round, then their median:
         # rounds drift together on a shared machine, a round's ratio much less
@@ -249,6 +256,9 @@ class Bench:
             "ratio": ratios["loose"],
             "one_round_trip_ratio": ratios["one_round_trip"],
             "one_script_call_ratio": ratios["one_script_call"],
+        }
+        out["overhead"]["limiter_usec_per_call"] = {
+            name: statistics.median(usec[name]) for name in names if usec[name]
         }
         if cpu["unlimited"] and cpu["unlimited"][0]:
             # median CPU per task of each role, and the plain task's total over each

@@ -16,7 +16,7 @@ from ._keys import escape_key, redis_key
 from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
 
-#: Script modes (ARGV[3]); see the header of lua/sliding_log.lua.
+#: Script modes (the first of the packed numbers, ARGV[2]); see the header of lua/sliding_log.lua.
 ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
 #: Reply statuses.
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
