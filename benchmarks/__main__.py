@@ -152,6 +152,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         for bound, what in (
             ("one_round_trip", "PING"),
             ("one_script_call", "EVALSHA of 'return 1'"),
+            ("one_floor_call", "EVALSHA of the floor script"),
         ):
             if f"{bound}_ratio" in o:
                 add(
@@ -164,6 +165,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             for name, what in (
                 ("loose", "8. CPU per task without / with a loose limit"),
                 ("one_script_call", "8. bound: CPU per task without / with one more EVALSHA"),
+                ("one_floor_call", "8. bound: CPU per task without / with one floor script"),
             ):
                 add(f"{what} {tag}", o["cpu_ratio"][name], "", None)
     return out

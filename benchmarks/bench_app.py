@@ -108,3 +108,29 @@ def one_script_call(self: Any) -> None:
     if _noop_sha is None:
         _noop_sha = _client.script_load("return 1")
     _held.call("EVALSHA", _noop_sha, 0)
+
+
+#: The least an exact decision does (benchmarks.bench_limiter's floor script): the clock,
+#: one read of the key, the prune of what left the window, one write; here pruning a
+#: 1 s log, the window of ``loose``.
+FLOOR_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 1000000)
+redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
+return 1
+"""
+_floor_sha: str | None = None
+
+
+@app.task(bind=True)
+def one_floor_call(self: Any) -> None:
+    """The bound of any exact limiter in a Lua script: the same task plus one EVALSHA of
+    the floor script on a log of its own, as ``loose`` keeps one."""
+    global _floor_sha
+    record(self)
+    assert _client is not None and _held is not None
+    if _floor_sha is None:
+        _floor_sha = _client.script_load(FLOOR_SCRIPT)
+    _held.call("EVALSHA", _floor_sha, 1, "bench:floor", os.urandom(8))
