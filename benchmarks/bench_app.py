@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from benchmarks.bench_limiter import floor_script
 from celery_ratelimit import Limit, RateLimitedTask, _clock
 from celery_ratelimit._client import HeldConnection
 
@@ -110,17 +111,9 @@ def one_script_call(self: Any) -> None:
     _held.call("EVALSHA", _noop_sha, 0)
 
 
-#: The least an exact decision does (benchmarks.bench_limiter's floor script): the clock,
-#: one read of the key, the prune of what left the window, one write; here pruning a
-#: 1 s log, the window of ``loose``.
-FLOOR_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 1000000)
-redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
-return 1
-"""
+#: The least an exact decision does (benchmarks.bench_limiter's floor script), here
+#: pruning a 1 s log, the window of ``loose``.
+FLOOR_SCRIPT = floor_script(1_000_000)
 _floor_sha: str | None = None
 
 

@@ -30,7 +30,7 @@ import redis
 
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._client import HeldConnection
-from tests.redis_server import RedisServer
+from celery_ratelimit._embedded import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
 #: Physical floors on this server, in scripts that do nothing else (no arguments read,
@@ -45,14 +45,21 @@ redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
 redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
 return 1
 """
-FLOOR_SCRIPT = """
+
+
+def floor_script(window_us: int) -> str:
+    """FLOOR (4 commands) over a log of ``window_us`` microseconds."""
+    return f"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 200000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - {window_us})
 redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '')
 return 1
 """
+
+
+FLOOR_SCRIPT = floor_script(200_000)
 ROUNDS = 15
 CALLS = 2_000
 
