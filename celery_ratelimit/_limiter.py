@@ -363,6 +363,11 @@ class Limiter:
                 reply = script(keys=every, args=[token_bytes, numbers])
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
+        if len(reply) == 3:  # allowed now by its one limit: the script's short reply
+            remaining, reset_us, at_us = reply
+            return make_decision(
+                True, remaining, 0.0, reset_us / 1_000_000, None, False, None, at_us / 1_000_000
+            )
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             return None
