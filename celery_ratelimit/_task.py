@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task, signals
@@ -72,6 +72,12 @@ class Plan:
     task_name: str
     #: keys and costs when no limit depends on the call's arguments (worked out once)
     fixed: tuple[list[str], list[int]] | None = None
+    #: for a fixed plan, what a task's first limiter call sends (the script's keys and
+    #: numbers) and the limits' Redis keys, by (limiter, mode, horizon, guard): worked
+    #: out once, not per task
+    sends: dict[tuple[Any, ...], tuple[list[str], bytes, list[str]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def resolve(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -212,22 +218,44 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
     )
     token = getattr(request, TOKEN_HEADER, None) or None
     limiter = here.limiter
-    redis_keys = limiter._keys_of(tuple(keys), plan.limits)
     metrics = here.metrics  # None unless ratelimit_metrics is on
+    first = RESERVE if reserve else ACQUIRE
+    sends = None
+    if plan.fixed is not None:
+        shape = (limiter, first, max_countdown, guard)
+        sends = plan.sends.get(shape)
+        if sends is None:
+            redis_keys = limiter._keys_of(tuple(keys), plan.limits)
+            every = limiter._every(redis_keys, plan.limits)
+            numbers = limiter._numbers(
+                plan.limits, costs, first, max_countdown, guard, MAX_IN_PROCESS_WAIT
+            )
+            if len(plan.sends) >= 64:  # options overridden per message: keep it small
+                plan.sends.clear()
+            sends = plan.sends[shape] = every, numbers, redis_keys
+        redis_keys = sends[2]
+    else:
+        redis_keys = limiter._keys_of(tuple(keys), plan.limits)
     while True:
         try:
-            mode = CONFIRM if token else (RESERVE if reserve else ACQUIRE)
+            mode = CONFIRM if token else first
             sent = time.time()
-            decision = limiter.decide(
-                redis_keys,
-                plan.limits,
-                costs,
-                mode,
-                token=token,
-                horizon=max_countdown,
-                guard=guard,
-                hold=MAX_IN_PROCESS_WAIT,
-            )
+            if sends is not None and mode == first:
+                # what limiter.decide() would send, worked out once: ~2 of its 4 us
+                run = limiter._run(sends[0], sends[1], plan.limits, os.urandom(8))
+                assert run is not None  # only a confirmation can find its slot spent
+                decision = run
+            else:
+                decision = limiter.decide(
+                    redis_keys,
+                    plan.limits,
+                    costs,
+                    mode,
+                    token=token,
+                    horizon=max_countdown,
+                    guard=guard,
+                    hold=MAX_IN_PROCESS_WAIT,
+                )
         except LimiterUnavailable as exc:
             if metrics is not None:
                 metrics.redis_error(plan.limits)

@@ -1,12 +1,14 @@
 """Option plumbing, without a worker: settings resolution, validation, rules matching.
 
 These tests only look at how options reach a task (Celery apps, task classes and a
-request ``Context``); whether the limit holds is proven against real worker nodes in
+request ``Context``; one follows a message's options into the script, on the suite's
+redis-server); whether the limit holds is proven against real worker nodes in
 ``test_celery_nodes.py``.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -21,9 +23,10 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
+from celery_ratelimit._decision import Decision
 from celery_ratelimit._install import Rules
 from celery_ratelimit._settings import DEFAULTS, setting
-from celery_ratelimit._task import plan_for
+from celery_ratelimit._task import DECISION_ATTR, enforce, plan_for
 
 
 @pytest.fixture
@@ -239,3 +242,38 @@ def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
     # the limiter's Redis URL points at a closed port: eager mode never calls it
     assert [job.delay(i).get() for i in range(3)] == [0, 1, 2]
     assert calls == [0, 1, 2]
+
+
+def test_options_sent_with_a_message_reach_the_script_past_the_worked_out_first_call(
+    app: Celery, redis_url: str
+) -> None:
+    # A task's first limiter call is worked out once per (mode, horizon, guard); a
+    # message that overrides the guard must still send its own. Seen in the decision:
+    # a call that fits is the newest entry, so reset_after is the window it was
+    # placed in, 1 s plus the guard (at most 4% of the window).
+    app.conf.ratelimit_redis_url = redis_url
+    app.conf.ratelimit_key_prefix = f"plumbing-{uuid.uuid4().hex[:8]}"
+
+    @app.task(base=RateLimitedTask, ratelimit="100/s", bind=True, shared=False)
+    def fetch(self: Any) -> None: ...
+
+    def reset_after(**headers: Any) -> float:
+        fetch.push_request(
+            id=uuid.uuid4().hex,
+            args=(),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            **headers,
+        )
+        try:
+            assert enforce(fetch, (), {}) is None
+            decision: Decision = getattr(fetch.request, DECISION_ATTR)
+            return decision.reset_after
+        finally:
+            fetch.pop_request()
+
+    assert reset_after() == pytest.approx(1.03, abs=1e-6)
+    assert reset_after(ratelimit_guard=0.0) == pytest.approx(1.0, abs=1e-6)
+    assert reset_after(ratelimit_guard=0.01) == pytest.approx(1.01, abs=1e-6)
+    assert reset_after() == pytest.approx(1.03, abs=1e-6)
