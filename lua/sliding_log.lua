@@ -38,8 +38,8 @@
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers,
 -- or, for an acquisition (mode 0 or 1) that fits its one limit now, only
--- {remaining, reset_after, at}: status 1, retry_after 0, denied_by 0 (a shorter
--- reply is a tenth of that call's server time):
+-- {remaining, reset_after, at}: status 1, retry_after 0, denied_by 0 (the most
+-- frequent answer, kept short: a table's conversion to a reply is about 1 us):
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
 --                3 the reservation is held but not yet due (retry_after = at - now),
 --                4 released (or nothing to release),
