@@ -186,6 +186,9 @@ class Limit:
 LimitSpec = str | Rate | Limit | Iterable[str | Rate | Limit]
 
 
+_PARSED: dict[str, tuple[Limit, ...]] = {}
+
+
 def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
     """Normalize a rate string, a :class:`Rate`, a :class:`Limit` or a list of them.
 
@@ -203,6 +206,15 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
         else:
             if algorithm is not None:
                 return spec if type(spec) is tuple else tuple(spec)
+    if type(spec) is str:
+        # a rate string, as in acquire("k", "100/m"): parsed once (a Limit is immutable)
+        parsed = _PARSED.get(spec)
+        if parsed is None:
+            parsed = (Limit(spec),)
+            if len(_PARSED) >= 1024:
+                _PARSED.clear()
+            _PARSED[spec] = parsed
+        return parsed
     if isinstance(spec, (str, Rate)):
         items: Sequence[object] = [Limit(spec)]
     elif isinstance(spec, Limit):

@@ -29,7 +29,7 @@ DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
-#: How many (key, limits) pairs a limiter remembers the Redis keys of.
+#: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
@@ -64,14 +64,10 @@ class Limiter:
         held = HeldConnection.for_client(client)
         # the script's EVALSHA: on a connection held for it when the client allows
         self._send = held.call if held is not None else client.execute_command
-        # (key, limits) -> Redis keys: escaping and formatting are most of the Python
-        # cost of a decision, and a process decides for few distinct keys
-        self._keys: dict[tuple[str | tuple[str, ...], tuple[Limit, ...]], list[str]] = {}
-        # (limits, costs, mode, horizon, guard, hold) -> the script's packed numbers,
-        # checked once
-        self._packed: dict[tuple[Any, ...], bytes] = {}
-        # what acquire() sends for (key, limits, cost, mode, horizon): the script's keys
-        # and numbers, worked out once (about 1 us of a decision's 4 us of Python)
+        # what one call shape sends, (key, limits, cost, mode, horizon, guard, hold) ->
+        # (the script's keys, its packed numbers), worked out and checked once: escaping,
+        # formatting and packing are most of a decision's Python, and a process decides
+        # for few distinct shapes
         self._sends: dict[tuple[Any, ...], tuple[list[str], bytes]] = {}
 
     @classmethod
@@ -128,29 +124,13 @@ class Limiter:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
             LimiterUnavailable: Redis could not be reached or failed.
         """
-        normalized = to_limits(limits)
-        mode = RESERVE if reserve else ACQUIRE
-        if type(cost) is not int or type(key) is not str:  # (a bool would hash like 1)
-            return self.decide(
-                self._keys_of(key, normalized), normalized, cost, mode, horizon=horizon
-            )
-        shape = (key, normalized, cost, mode, horizon)
-        try:
-            every, numbers = self._sends[shape]
-        except KeyError:
-            every = self._every(self._keys_of(key, normalized), normalized)
-            numbers = self._numbers(normalized, cost, mode, horizon, 0.0, 0.0)
-            if len(self._sends) >= KEY_CACHE_SIZE:
-                self._sends.clear()
-            self._sends[shape] = every, numbers
-        decision = self._run(every, numbers, normalized, os.urandom(8))
-        assert decision is not None  # only a confirmation can find its slot spent
-        return decision
+        return self._call(
+            key, to_limits(limits), cost, RESERVE if reserve else ACQUIRE, horizon=horizon
+        )
 
     def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
         """What :meth:`acquire` would answer now, without counting anything."""
-        normalized = to_limits(limits)
-        return self.decide(self._keys_of(key, normalized), normalized, cost, PEEK)
+        return self._call(key, to_limits(limits), cost, PEEK)
 
     def confirm(
         self,
@@ -167,18 +147,11 @@ class Limiter:
         reservation is gone (Redis restarted, key reset), competes again as ``acquire``
         with ``reserve=True``.
         """
-        return self.decide(
-            self.keys_for(key, limits),
-            to_limits(limits),
-            cost,
-            CONFIRM,
-            token=token,
-            horizon=horizon,
-        )
+        return self._call(key, to_limits(limits), cost, CONFIRM, token=token, horizon=horizon)
 
     def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
         """Give back a reservation that will not be used (a revoked or expired task)."""
-        self.decide(self.keys_for(key, limits), to_limits(limits), cost, RELEASE, token=token)
+        self._call(key, to_limits(limits), cost, RELEASE, token=token)
 
     def reset(self, key: str, limits: LimitSpec) -> int:
         """Forget everything counted for ``key`` under ``limits``; returns keys deleted."""
@@ -189,20 +162,6 @@ class Limiter:
             return sum(int(self.client.delete(k)) for k in keys)
         except redis.RedisError as exc:
             raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
-
-    def _keys_of(self, key: str | tuple[str, ...], limits: tuple[Limit, ...]) -> list[str]:
-        """:meth:`keys_for`, remembered for the last few thousand (key, limits)."""
-        try:
-            return self._keys[key, limits]
-        except KeyError:
-            pass
-        except TypeError:  # an unhashable callable key or cost
-            return self.keys_for(key, limits)
-        keys = self.keys_for(key, limits)
-        if len(self._keys) >= KEY_CACHE_SIZE:
-            self._keys.clear()
-        self._keys[key, limits] = keys
-        return keys
 
     # -- shared by the Celery layer -------------------------------------------------
 
@@ -239,6 +198,126 @@ class Limiter:
             )
         return keys
 
+    def _call(
+        self,
+        key: str | tuple[str, ...] | None,
+        limits: tuple[Limit, ...],
+        cost: int | Sequence[int],
+        mode: int,
+        *,
+        token: str | None = None,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        redis_keys: list[str] | None = None,
+    ) -> Decision:
+        """One decision for ``key``: a code-given key, or a tuple of escaped keys, one
+        per limit (as :meth:`keys_for` takes them); or, when ``key`` is None, for the
+        ``redis_keys`` given (from :meth:`keys_for`, or found by a scan).
+
+        ``cost`` is one cost for every limit, or one per limit (a units quota and a
+        per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
+        used) widens the windows in which calls are *placed*, while a confirmed
+        reservation starts as soon as its cost fits a window only half of it wider:
+        a task that starts up to half of ``guard`` after its slot costs no extra wait,
+        and bodies that begin up to half of it after their recorded start still
+        never put more than the limit in a window (the Celery layer's
+        ``ratelimit_guard``).
+
+        ``hold`` (seconds, ``"log"`` only): a reservation or confirmation whose start is
+        at most this far ahead is counted as started at that instant and answered
+        ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
+        with no second call (the Celery layer waits in-process up to 0.2 s).
+        """
+        if key is not None:
+            every, numbers = self._prepared(key, limits, cost, mode, horizon, guard, hold)
+        else:
+            assert redis_keys is not None
+            every = self._every(redis_keys, limits)
+            numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
+        token_bytes = bytes.fromhex(token) if token else os.urandom(8)
+        decision = self._run(every, numbers, limits, token_bytes)
+        if decision is None:
+            # the reservation was already started on (a message delivered twice):
+            # this execution competes like a new call, with a token of its own
+            return self._call(
+                key,
+                limits,
+                cost,
+                RESERVE,
+                horizon=horizon,
+                guard=guard,
+                hold=hold,
+                redis_keys=redis_keys,
+            )
+        return decision
+
+    def decide(
+        self,
+        keys: list[str],
+        limits: tuple[Limit, ...],
+        cost: int | Sequence[int],
+        mode: int,
+        *,
+        token: str | None = None,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+    ) -> Decision:
+        """:meth:`_call` for callers that hold Redis ``keys`` (from :meth:`keys_for`, or
+        found by a scan): worked out afresh on every call."""
+        return self._call(
+            None,
+            limits,
+            cost,
+            mode,
+            token=token,
+            horizon=horizon,
+            guard=guard,
+            hold=hold,
+            redis_keys=keys,
+        )
+
+    def _prepared(
+        self,
+        key: str | tuple[str, ...],
+        limits: tuple[Limit, ...],
+        cost: int | Sequence[int],
+        mode: int,
+        horizon: float,
+        guard: float,
+        hold: float,
+    ) -> tuple[list[str], bytes]:
+        """The script's keys and packed numbers for one call shape, worked out and
+        checked on its first call and remembered for the last few thousand shapes."""
+        # only exact ints are remembered: a bool or a float would hash like an int
+        exact: int | tuple[int, ...] | None = None
+        if type(cost) is int:
+            exact = cost
+        elif type(cost) is tuple or type(cost) is list:
+            exact = cost if type(cost) is tuple else tuple(cost)
+            for one in exact:
+                if type(one) is not int:
+                    exact = None
+                    break
+        shape = None if exact is None else (key, limits, exact, mode, horizon, guard, hold)
+        if shape is not None:
+            try:
+                return self._sends[shape]
+            except KeyError:
+                pass
+            except TypeError:  # an unhashable key
+                shape = None
+        sends = (
+            self._every(self.keys_for(key, limits), limits),
+            self._numbers(limits, cost, mode, horizon, guard, hold),
+        )
+        if shape is not None:
+            if len(self._sends) >= KEY_CACHE_SIZE:
+                self._sends.clear()
+            self._sends[shape] = sends
+        return sends
+
     def _numbers(
         self,
         limits: tuple[Limit, ...],
@@ -249,29 +328,14 @@ class Limiter:
         hold: float,
     ) -> bytes:
         """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
-        cost) of every limit, as packed doubles; checked and packed on first use.
-        ``cost``: one for every limit, or one per limit."""
-        # the cache's key, built for the usual one int cost without a generator: a
-        # bool or a float would hash like an int, so only exact ints are cached
-        if type(cost) is int:
-            shape: tuple[Any, ...] | None = (limits, cost, mode, horizon, guard, hold)
-        elif isinstance(cost, (list, tuple)) or (
-            isinstance(cost, Sequence) and not isinstance(cost, (str, bytes))
-        ):  # (a list, as the Celery layer's, skips the slower ABC check)
+        cost) of every limit, as packed doubles. ``cost``: one for every limit, or one
+        per limit."""
+        if isinstance(cost, int):
+            costs: tuple[Any, ...] = (cost,) * len(limits)
+        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
             costs = tuple(cost)
-            shape = (limits, costs, mode, horizon, guard, hold)
-            for one in costs:
-                if type(one) is not int:
-                    shape = None
-                    break
         else:
             raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        if shape is not None:
-            try:
-                return self._packed[shape]
-            except KeyError:
-                pass
-        costs = (cost,) * len(limits) if isinstance(cost, int) else tuple(cost)
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
         numbers: list[int] = [
@@ -288,49 +352,7 @@ class Limiter:
                     "such a call could never run"
                 )
             numbers += (limit.rate.limit, limit.rate.window_us, one)
-        packed = struct.pack(f"<{len(numbers)}d", *numbers)
-        if shape is not None:
-            if len(self._packed) >= KEY_CACHE_SIZE:
-                self._packed.clear()
-            self._packed[shape] = packed
-        return packed
-
-    def decide(
-        self,
-        keys: list[str],
-        limits: tuple[Limit, ...],
-        cost: int | Sequence[int],
-        mode: int,
-        *,
-        token: str | None = None,
-        horizon: float = DEFAULT_HORIZON,
-        guard: float = 0.0,
-        hold: float = 0.0,
-    ) -> Decision:
-        """Run the script once for Redis ``keys`` (from :meth:`keys_for`).
-
-        ``cost`` is one cost for every limit, or one per limit (a units quota and a
-        per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
-        used) widens the windows in which calls are *placed*, while a confirmed
-        reservation starts as soon as its cost fits a window only half of it wider:
-        a task that starts up to half of ``guard`` after its slot costs no extra wait,
-        and bodies that begin up to half of it after their recorded start still
-        never put more than the limit in a window (the Celery layer's
-        ``ratelimit_guard``).
-
-        ``hold`` (seconds, ``"log"`` only): a reservation or confirmation whose start is
-        at most this far ahead is counted as started at that instant and answered
-        ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
-        with no second call (the Celery layer waits in-process up to 0.2 s).
-        """
-        numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
-        token_bytes = bytes.fromhex(token) if token else os.urandom(8)
-        decision = self._run(self._every(keys, limits), numbers, limits, token_bytes)
-        if decision is None:
-            # the reservation was already started on (a message delivered twice):
-            # this execution competes like a new call, with a token of its own
-            return self.decide(keys, limits, cost, RESERVE, horizon=horizon, guard=guard, hold=hold)
-        return decision
+        return struct.pack(f"<{len(numbers)}d", *numbers)
 
     def _every(self, keys: list[str], limits: tuple[Limit, ...]) -> list[str]:
         """The script's KEYS: the limits' keys, then (log) each one's pending set.

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, signals
@@ -71,17 +71,11 @@ class Plan:
     signature: inspect.Signature | None
     task_name: str
     #: keys and costs when no limit depends on the call's arguments (worked out once)
-    fixed: tuple[list[str], list[int]] | None = None
-    #: for a fixed plan, what a task's first limiter call sends (the script's keys and
-    #: numbers) and the limits' Redis keys, by (limiter, mode, horizon, guard): worked
-    #: out once, not per task
-    sends: dict[tuple[Any, ...], tuple[list[str], bytes, list[str]]] = field(
-        default_factory=dict, init=False, compare=False, repr=False
-    )
+    fixed: tuple[tuple[str, ...], tuple[int, ...]] | None = None
 
     def resolve(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[list[str], list[int]]:
+    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Escaped keys and costs for this call.
 
         Raises:
@@ -120,7 +114,7 @@ class Plan:
                     f"{limit.label}: it could never run"
                 )
             costs.append(cost)
-        return keys, costs
+        return tuple(keys), tuple(costs)
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.signature is None:
@@ -220,42 +214,20 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
     limiter = here.limiter
     metrics = here.metrics  # None unless ratelimit_metrics is on
     first = RESERVE if reserve else ACQUIRE
-    sends = None
-    if plan.fixed is not None:
-        shape = (limiter, first, max_countdown, guard)
-        sends = plan.sends.get(shape)
-        if sends is None:
-            redis_keys = limiter._keys_of(tuple(keys), plan.limits)
-            every = limiter._every(redis_keys, plan.limits)
-            numbers = limiter._numbers(
-                plan.limits, costs, first, max_countdown, guard, MAX_IN_PROCESS_WAIT
-            )
-            if len(plan.sends) >= 64:  # options overridden per message: keep it small
-                plan.sends.clear()
-            sends = plan.sends[shape] = every, numbers, redis_keys
-        redis_keys = sends[2]
-    else:
-        redis_keys = limiter._keys_of(tuple(keys), plan.limits)
     while True:
         try:
             mode = CONFIRM if token else first
             sent = time.time()
-            if sends is not None and mode == first:
-                # what limiter.decide() would send, worked out once: ~2 of its 4 us
-                run = limiter._run(sends[0], sends[1], plan.limits, os.urandom(8))
-                assert run is not None  # only a confirmation can find its slot spent
-                decision = run
-            else:
-                decision = limiter.decide(
-                    redis_keys,
-                    plan.limits,
-                    costs,
-                    mode,
-                    token=token,
-                    horizon=max_countdown,
-                    guard=guard,
-                    hold=MAX_IN_PROCESS_WAIT,
-                )
+            decision = limiter._call(
+                keys,
+                plan.limits,
+                costs,
+                mode,
+                token=token,
+                horizon=max_countdown,
+                guard=guard,
+                hold=MAX_IN_PROCESS_WAIT,
+            )
         except LimiterUnavailable as exc:
             if metrics is not None:
                 metrics.redis_error(plan.limits)
@@ -299,7 +271,6 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
             decision.token if decision.reserved else None,
             reason,
             limiter,
-            redis_keys,
             costs,
             denied_by=decision.limit,
         )
@@ -354,15 +325,14 @@ def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:
 def _defer(
     task: Any,
     plan: Plan,
-    keys: list[str],
+    keys: tuple[str, ...],
     args: Any,
     kwargs: Any,
     countdown: float,
     token: str | None,
     reason: str,
     limiter: Limiter | None = None,
-    redis_keys: list[str] | None = None,
-    costs: list[int] | None = None,
+    costs: tuple[int, ...] | None = None,
     denied_by: Limit | None = None,
 ) -> Retry | str | None:
     """Publish the task again ``countdown`` seconds from now; return the ``Retry`` that
@@ -378,9 +348,9 @@ def _defer(
     max_deferrals = setting("ratelimit_max_deferrals", app, task, request)
 
     def give_back() -> None:
-        if token and limiter is not None and redis_keys is not None and costs is not None:
+        if token and limiter is not None and costs is not None:
             with contextlib.suppress(LimiterUnavailable):
-                limiter.decide(redis_keys, plan.limits, costs, RELEASE, token=token)
+                limiter._call(keys, plan.limits, costs, RELEASE, token=token)
 
     if max_deferrals is not None and deferrals >= max_deferrals:
         give_back()
@@ -539,9 +509,7 @@ def _release_on_revoke(request: Any = None, **_: Any) -> None:
             return
         keys, costs = plan.resolve(tuple(request.args or ()), request.kwargs or {})
         limiter = limiter_for(task.app)
-        limiter.decide(
-            limiter.keys_for(keys, plan.limits), plan.limits, costs, RELEASE, token=token
-        )
+        limiter._call(keys, plan.limits, costs, RELEASE, token=token)
     except Exception as exc:  # a slot that cannot be released only wastes budget
         logger.debug("ratelimit: could not release the slot of %s: %s", request.id, exc)
 

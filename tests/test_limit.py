@@ -154,3 +154,16 @@ def test_acquire_refuses_bad_calls_before_touching_redis(limiter: Limiter) -> No
     with pytest.raises(InvalidLimit, match="''"):
         limiter.acquire("", "10/s")
     assert list(limiter.client.scan_iter(f"{limiter.prefix}:*")) == []
+
+
+def test_a_remembered_call_shape_still_refuses_a_bool_or_float_cost(limiter: Limiter) -> None:
+    # True == 1 and 1.0 == 1 hash alike: what a limiter remembers per call shape must
+    # not let them through once cost=1 has been decided for the same key and limits
+    assert limiter.acquire("shape", "10/s").allowed
+    assert limiter.acquire("shape", [Limit("10/s"), Limit("20/m")], cost=[1, 1]).allowed
+    for cost in (True, 1.0):
+        with pytest.raises(TypeError, match=repr(cost)):
+            limiter.acquire("shape", "10/s", cost=cost)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="True"):
+        limiter.acquire("shape", [Limit("10/s"), Limit("20/m")], cost=[1, True])  # type: ignore[list-item]
+    assert limiter.peek("shape", "10/s").remaining == 8

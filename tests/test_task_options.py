@@ -212,7 +212,7 @@ def test_key_templates_bind_positional_and_keyword_arguments(app: Celery) -> Non
     app.finalize()
     plan = plan_for(fetch)
     assert plan is not None
-    assert plan.resolve(("k1",), {}) == (["yt:k1:eu", "yt:k1:burst"], [2, 1])
+    assert plan.resolve(("k1",), {}) == (("yt:k1:eu", "yt:k1:burst"), (2, 1))
     assert plan.resolve((), {"api_key": "k1", "region": "us"})[0][0] == "yt:k1:us"
     # a value cannot reach another key or move the hash tag
     assert plan.resolve(("a:b}{c",), {})[0][0] == "yt:a%3Ab%7D%7Bc:eu"
