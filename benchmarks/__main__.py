@@ -161,6 +161,13 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "bound",
                     None,
                 )
+        if "loose_over_floor" in o:
+            add(
+                f"8. tasks/s with a loose limit / with the floor script, by round {tag}",
+                o["loose_over_floor"],
+                "",
+                None,
+            )
         if "cpu_ratio" in o:
             for name, what in (
                 ("loose", "8. CPU per task without / with a loose limit"),

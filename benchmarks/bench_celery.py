@@ -259,6 +259,12 @@ class Bench:
             "one_round_trip_ratio": ratios["one_round_trip"],
             "one_script_call_ratio": ratios["one_script_call"],
             "one_floor_call_ratio": ratios["one_floor_call"],
+            # ours against the least an exact limiter does, round by round: how far
+            # ours is from that bound, whatever the plain task did in the round
+            "loose_over_floor": statistics.median(
+                x / floor
+                for x, floor in zip(throughput["loose"], throughput["one_floor_call"], strict=True)
+            ),
         }
         out["overhead"]["limiter_usec_per_call"] = {
             name: statistics.median(usec[name]) for name in names if usec[name]
