@@ -171,6 +171,8 @@ class Limiter:
         """
         normalized = to_limits(limits)
         if not isinstance(key, str):
+            if not isinstance(key, (list, tuple)):
+                raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
             escaped = list(key)
             if len(escaped) != len(normalized):
                 raise InvalidLimit(f"got {len(escaped)} keys for {len(normalized)} limits")
@@ -200,7 +202,7 @@ class Limiter:
 
     def _call(
         self,
-        key: str | tuple[str, ...] | None,
+        key: str | tuple[str, ...],
         limits: tuple[Limit, ...],
         cost: int | Sequence[int],
         mode: int,
@@ -212,8 +214,8 @@ class Limiter:
         redis_keys: list[str] | None = None,
     ) -> Decision:
         """One decision for ``key``: a code-given key, or a tuple of escaped keys, one
-        per limit (as :meth:`keys_for` takes them); or, when ``key`` is None, for the
-        ``redis_keys`` given (from :meth:`keys_for`, or found by a scan).
+        per limit (as :meth:`keys_for` takes them); or, when ``redis_keys`` are given
+        (from :meth:`keys_for`, or found by a scan), for them (``key`` is then ``()``).
 
         ``cost`` is one cost for every limit, or one per limit (a units quota and a
         per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
@@ -229,10 +231,9 @@ class Limiter:
         ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
         with no second call (the Celery layer waits in-process up to 0.2 s).
         """
-        if key is not None:
+        if redis_keys is None:
             every, numbers = self._prepared(key, limits, cost, mode, horizon, guard, hold)
         else:
-            assert redis_keys is not None
             every = self._every(redis_keys, limits)
             numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
         token_bytes = bytes.fromhex(token) if token else os.urandom(8)
@@ -267,7 +268,7 @@ class Limiter:
         """:meth:`_call` for callers that hold Redis ``keys`` (from :meth:`keys_for`, or
         found by a scan): worked out afresh on every call."""
         return self._call(
-            None,
+            (),
             limits,
             cost,
             mode,

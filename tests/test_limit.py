@@ -153,6 +153,9 @@ def test_acquire_refuses_bad_calls_before_touching_redis(limiter: Limiter) -> No
         limiter.acquire("k", Limit("10/s", key="api:{tenant}"))
     with pytest.raises(InvalidLimit, match="''"):
         limiter.acquire("", "10/s")
+    for key in (None, 42):
+        with pytest.raises(InvalidLimit, match=f"got {key}"):
+            limiter.acquire(key, "10/s")  # type: ignore[arg-type]
     assert list(limiter.client.scan_iter(f"{limiter.prefix}:*")) == []
 
 
