@@ -13,6 +13,7 @@ from ._decorator import ratelimit
 from ._exceptions import (
     InvalidLimit,
     InvalidRate,
+    LimiterMisconfigured,
     LimiterUnavailable,
     RateLimitError,
     RateLimitExceeded,
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidRate",
     "Limit",
     "Limiter",
+    "LimiterMisconfigured",
     "LimiterUnavailable",
     "Rate",
     "RateLimitError",

@@ -12,17 +12,15 @@
 
 from __future__ import annotations
 
-import functools
+import inspect
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import AbstractConnection, HiredisRespSerializer
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -98,19 +96,20 @@ def client_from_url(
 
 
 class HeldConnection:
-    """One connection of a client's pool, kept by this process for its own commands.
+    """One connection of a client's pool, kept by this process for the limiter's commands.
 
     A command through ``redis.Redis`` takes a connection from the pool and gives it back
-    each time: a poll of the socket for stray data, the pool's lock, and the
-    observability records of redis-py 8 cost a pool process about 20 us of CPU per
-    command, a fifth of a rate-limited task's overhead (measured with Celery's tracer
-    and ``return 1``). This keeps one connection and sends on it directly (on its
-    socket and parser when it is one of redis-py's plain connections, about 10 us of
-    CPU less again), with the connection's own retry policy (the client's ``retry``:
-    one retry on a connection that a Redis restart closed). One caller at a time: a
-    thread that finds it busy (``-P threads``, gevent) sends through the client as
-    usual. Only for a plain ``redis.Redis`` on a non-blocking pool (a ``BlockingConnectionPool`` may
-    have no connection to spare); ``None`` from :meth:`for_client` otherwise.
+    each time (a poll of the socket for stray data, the pool's lock, redis-py 8's
+    observability records): about 30 us of CPU per call more than sending on a held
+    connection, 2% of a rate-limited task's CPU (see docs/benchmarks.md). This keeps one
+    connection and uses only its public methods (``connect``, ``send_command``,
+    ``read_response``, ``disconnect``) under the connection's own retry policy (the
+    client's ``retry``: one retry on a connection that a Redis restart closed).
+
+    One caller at a time: a thread that finds it busy (``-P threads``, gevent) sends
+    through the client as usual. Only for a plain ``redis.Redis`` on a non-blocking pool
+    (a ``BlockingConnectionPool`` may have no connection to spare); :meth:`for_client`
+    answers ``None`` otherwise.
     """
 
     def __init__(self, client: Any) -> None:
@@ -119,7 +118,6 @@ class HeldConnection:
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
-        self._exchange: Callable[[Any, tuple[Any, ...]], Any] = _exchange_through_connection
 
     @classmethod
     def for_client(cls, client: Any) -> HeldConnection | None:
@@ -146,99 +144,43 @@ class HeldConnection:
             conn = self._conn
             if conn is None or self._pid != os.getpid():
                 # first use, or inherited across a fork: the parent's socket is not ours
-                conn = self._conn = self._pool.get_connection()
+                conn = self._conn = take_connection(self._pool)
                 self._pid = os.getpid()
-                self._exchange = _exchange_for(conn)
-            exchange = self._exchange
-            try:
-                return exchange(conn, args)
-            except redis.ResponseError:
-                raise  # a whole reply was read (NOSCRIPT, a script error)
-            except Exception as error:
-                first: list[Exception] = [error]
-            # the retry policy decides, counting this first failure as its own
-
-            def again() -> Any:
-                if first:
-                    raise first.pop()
-                return exchange(conn, args)
-
-            return conn.retry.call_with_retry(again, lambda _error: conn.disconnect())
+            return conn.retry.call_with_retry(
+                lambda: _exchange(conn, args), lambda _error: conn.disconnect()
+            )
         finally:
             self._lock.release()
 
 
-def _exchange_for(conn: Any) -> Callable[[Any, tuple[Any, ...]], Any]:
-    """How to send a command on ``conn`` and read its reply: directly on its socket and
-    parser if it reads and writes as redis-py's own connections do, else through
-    its methods (a Sentinel connection reads differently; a health check interval
-    needs them)."""
-    cls = type(conn)
-    if (
-        cls.read_response is not AbstractConnection.read_response
-        or cls.send_packed_command is not AbstractConnection.send_packed_command
-        or conn.health_check_interval
-        or not hasattr(conn, "_parser")
-    ):
-        return _exchange_through_connection
-    if isinstance(getattr(conn, "_command_packer", None), HiredisRespSerializer):
-        # what that serializer does for arguments of str, bytes and int, without
-        # its per-call checks (2.6 -> 0.6 us for an EVALSHA)
-        import hiredis  # there, since that serializer is in use
-
-        return functools.partial(_exchange, pack=hiredis.pack_command)
-    return functools.partial(_exchange, pack=lambda args: b"".join(conn.pack_command(*args)))
+def take_connection(pool: Any) -> Any:
+    """A connection from ``pool``, kept by the caller: redis-py before 5.3 needs a command
+    name (``get_connection(command_name)``), later releases deprecate passing one."""
+    global _NEEDS_COMMAND_NAME
+    if _NEEDS_COMMAND_NAME is None:
+        try:
+            parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+        except (TypeError, ValueError):
+            parameter = None
+        _NEEDS_COMMAND_NAME = parameter is not None and parameter.default is inspect.Parameter.empty
+    return pool.get_connection("EVALSHA") if _NEEDS_COMMAND_NAME else pool.get_connection()
 
 
-def _connected(conn: Any) -> Any:
-    sock = getattr(conn, "_sock", None)
-    if sock is None:
-        # connect() as the pool would: a Sentinel connection asks the sentinels for
-        # the primary there (send_command alone reconnects to the address it had,
-        # the old primary after a failover)
+_NEEDS_COMMAND_NAME: bool | None = None
+
+
+def _exchange(conn: Any, args: tuple[Any, ...]) -> Any:
+    """One command and its reply on ``conn``. ``connect()`` first, as the pool would
+    before handing the connection out: a Sentinel connection asks the sentinels for the
+    current primary there."""
+    try:
         conn.connect()
-        sock = conn._sock
-    return sock
-
-
-def _exchange(conn: Any, args: tuple[Any, ...], pack: Callable[[tuple[Any, ...]], bytes]) -> Any:
-    """One command and its reply on ``conn``'s socket and parser, without the layers
-    of ``send_command`` and ``read_response`` around them: what those do on this path
-    (errors turned into redis-py's, a disconnect on any failure) is done here; their
-    health checks, push handling and error formatting are not needed by a plain
-    connection. About 10 us of CPU less per command on a 2-vCPU VM."""
-    sock = _connected(conn)
-    try:
-        sock.sendall(pack(args))
-        reply = conn._parser.read_response(disable_decoding=False)
-    except redis.RedisError:
-        conn.disconnect()
-        raise
-    except TimeoutError as exc:  # socket.timeout
-        conn.disconnect()
-        raise redis.TimeoutError(f"Timeout on the limiter's connection: {exc}") from exc
-    except OSError as exc:
-        conn.disconnect()
-        raise redis.ConnectionError(f"Error on the limiter's connection: {exc}") from exc
-    except BaseException:
-        # whatever interrupted (a soft time limit, a signal) may have left a reply
-        # unread on the socket; the next caller must not read it
-        conn.disconnect()
-        raise
-    if isinstance(reply, redis.ResponseError):
-        raise reply  # whole: the connection stays usable
-    return reply
-
-
-def _exchange_through_connection(conn: Any, args: tuple[Any, ...]) -> Any:
-    """:func:`_exchange` through the connection's own ``send_command`` and
-    ``read_response`` (a Sentinel connection, a health check interval)."""
-    _connected(conn)
-    try:
         conn.send_command(*args)
         return conn.read_response()
     except redis.ResponseError:
-        raise
+        raise  # a whole reply was read (NOSCRIPT, a script error): still in step
     except BaseException:
+        # a failure, or whatever interrupted (a soft time limit, a signal), may have
+        # left a reply unread on the socket: the next caller must not read it
         conn.disconnect()
         raise

@@ -34,6 +34,7 @@ from typing import Any
 
 from celery import signals
 
+from ._compat import set_received_eta
 from ._decision import Decision
 from ._settings import limiter_for
 
@@ -117,7 +118,7 @@ def _eta_to_local_clock(request: Any = None, **_: Any) -> None:
             return
         offset = _measured_offset(request.task.app)
         if offset:
-            request._eta = eta - datetime.timedelta(seconds=offset)
+            set_received_eta(request, eta - datetime.timedelta(seconds=offset))
     except Exception as exc:  # never break message handling; the plain ETA still works
         logger.debug("ratelimit: could not adjust the ETA of %s: %s", request, exc)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from celery import Task, _state
+from celery import Task, current_app, signals
 from celery.local import PromiseProxy, Proxy
 
+from . import _compat
 from ._limit import CostFunc, KeyFunc, Limit, LimitSpec, to_limits
 from ._settings import setting
 from ._task import wrap_before_start
@@ -65,14 +66,10 @@ def ratelimit(
     def decorate(task: T) -> T:
         if isinstance(task, PromiseProxy) and not task.__evaluated__():
             # @app.task before the app is finalized: attach once Celery builds the task.
-            task.__then__(lambda: _attach(task._get_current_object(), attributes))
-        elif isinstance(task, Proxy) and _shared_function(task) is not None:
+            task.__then__(lambda: _attach(task.__maybe_evaluate__(), attributes))
+        elif isinstance(task, Proxy) and not isinstance(task, PromiseProxy):
             # @shared_task: every app builds its own copy when it is finalized.
-            function = _shared_function(task)
-            _SHARED[function] = attributes
-            for app in _state._get_active_apps():
-                if app.finalized:
-                    _attach_shared(app)
+            _attach_shared_proxy(task, attributes)
         elif isinstance(task, (Task, Proxy)):
             _attach(task, attributes)
         else:
@@ -93,32 +90,63 @@ def _attach(task: Any, attributes: dict[str, Any]) -> None:
 
 #: Functions decorated with @ratelimit above @shared_task, and their attributes.
 _SHARED: dict[Any, dict[str, Any]] = {}
+#: ``@shared_task`` proxies whose function could not be read (see ``_compat``), and their
+#: attributes: attached when a worker starts or the ``ratelimit`` commands load the tasks.
+_PENDING: list[tuple[Any, dict[str, Any]]] = []
 
 
-def _shared_function(proxy: Any) -> Any:
-    """The function behind a ``shared_task`` proxy (held in its constructor's closure)."""
-    try:
-        constructor = object.__getattribute__(proxy, "_Proxy__local")
-        cells = dict(
-            zip(constructor.__code__.co_freevars, constructor.__closure__ or (), strict=False)
-        )
-        return cells["fun"].cell_contents if "fun" in cells else None
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def _attach_shared(sender: Any, **_: Any) -> None:
-    for task in list(sender._tasks.values()):
-        attributes = _SHARED.get(getattr(task, "__wrapped__", None))
-        if attributes is not None:
-            _attach(task, attributes)
+def _attach_shared_proxy(proxy: Any, attributes: dict[str, Any]) -> None:
+    function = _compat.shared_task_function(proxy) if _HOOKED else None
+    apps = _compat.finalized_apps() if function is not None else None
+    if function is None or apps is None:
+        _PENDING.append((proxy, attributes))
+        if current_app.finalized:
+            attach_pending(current_app)
+        return
+    _SHARED[function] = attributes
+    for app in apps:
+        _attach_shared(app)
 
 
 def _watch_app(app: Any) -> None:
     app.on_after_finalize.connect(_attach_shared, weak=False)
 
 
-_state.connect_on_app_finalize(_watch_app)
+def _attach_shared(sender: Any, **_: Any) -> None:
+    for task in list(sender.tasks.values()):
+        attributes = _SHARED.get(getattr(task, "__wrapped__", None))
+        if attributes is not None:
+            _attach(task, attributes)
+
+
+def attach_pending(app: Any) -> None:
+    """Attach the kept ``@shared_task`` proxies' options to ``app``'s copies of them
+    (the public fallback: each proxy is evaluated in the current app for its name)."""
+    for proxy, attributes in list(_PENDING):
+        try:
+            name = proxy.name
+        except Exception:  # no app can build it yet; the next start tries again
+            continue
+        task = app.tasks.get(name)
+        if task is not None:
+            _attach(task, attributes)
+
+
+def _attach_pending_on_import(sender: Any = None, **_: Any) -> None:
+    if _PENDING and sender is not None:
+        attach_pending(sender)
+
+
+def _attach_pending_on_worker_init(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if _PENDING and app is not None:
+        attach_pending(app)
+
+
+#: Whether every app's finalization reaches ``_watch_app`` (Celery's private hook).
+_HOOKED = _compat.on_every_app_finalize(_watch_app)
+signals.import_modules.connect(_attach_pending_on_import, weak=False)
+signals.worker_init.connect(_attach_pending_on_worker_init, weak=False)
 
 
 class _NoApp:

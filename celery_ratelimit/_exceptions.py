@@ -6,7 +6,8 @@
     ├── InvalidRate(ValueError)         a rate string or Rate that cannot be a rate
     ├── InvalidLimit(ValueError)        a Limit, cost, key template or setting that is wrong
     ├── RateLimitExceeded               a task gave up after ``ratelimit_max_deferrals``
-    └── LimiterUnavailable              Redis could not be reached or answered with an error
+    ├── LimiterUnavailable              Redis could not be reached, for now (a failover, a restart)
+    └── LimiterMisconfigured            Redis refuses the limiter until its configuration changes
 
 ``InvalidRate`` and ``InvalidLimit`` are also ``ValueError`` so that plain ``except
 ValueError`` keeps working; type mistakes (a float cost, a bool cost) raise ``TypeError``.
@@ -37,4 +38,18 @@ class RateLimitExceeded(RateLimitError):
 
 
 class LimiterUnavailable(RateLimitError):
-    """Redis could not be reached, timed out, or rejected the limiter's script."""
+    """Redis could not be reached, timed out, or answered with an error that passes
+    (``LOADING``, ``BUSY``, ``READONLY`` around a failover, ...).
+
+    In a worker, the task's ``ratelimit_on_redis_error`` policy decides what happens.
+    """
+
+
+class LimiterMisconfigured(RateLimitError):
+    """Redis answered, and will refuse the limiter until its configuration changes: a
+    wrong password, a missing ACL permission, a server older than 6.2, a key of another
+    type under the prefix, or no Redis server at that address. The message names the
+    cause and the fix.
+
+    In a worker, the task fails at once (whatever ``ratelimit_on_redis_error`` says).
+    """

@@ -20,6 +20,7 @@ Built-in ``celery.*`` tasks are never limited.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
@@ -112,12 +113,15 @@ def install(app: Any) -> Rules:
         annotations = [existing]
     annotations = [a for a in annotations if not isinstance(a, _Annotation)]
     app.conf.task_annotations = [annotation, *annotations]
-    app.__dict__.pop("annotations", None)  # Celery caches the prepared annotations
+    # Celery prepares the annotations once (a cached property): prepare them again
+    with contextlib.suppress(AttributeError):
+        del app.annotations
 
     def attach_all(**_: Any) -> None:
-        for task in list(app._tasks.values()):
+        for task in list(app.tasks.values()):
             _apply(task, rules)
 
-    attach_all()
+    if app.finalized:  # else every task is bound by then; reading app.tasks would finalize
+        attach_all()
     app.on_after_finalize.connect(attach_all, weak=False)
     return rules

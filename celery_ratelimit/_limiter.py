@@ -11,7 +11,8 @@ import redis
 
 from ._client import HeldConnection, client_from_url
 from ._decision import Decision, make_decision
-from ._exceptions import InvalidLimit, LimiterUnavailable
+from ._exceptions import InvalidLimit
+from ._failures import translate, version_error
 from ._keys import escape_key, redis_key
 from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
@@ -33,6 +34,21 @@ DEFAULT_HORIZON = 3600.0
 KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
+#: What a redis-py client raises (its Cluster client's own errors are no RedisError).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+def _versions(info: Any) -> list[str]:
+    """``redis_version`` from ``INFO server``: one server's, or each Cluster node's."""
+    if not isinstance(info, dict):
+        return []
+    if "redis_version" in info:
+        return [str(info["redis_version"])]
+    return [
+        str(v["redis_version"])
+        for v in info.values()
+        if isinstance(v, dict) and "redis_version" in v
+    ]
 
 
 class Limiter:
@@ -61,6 +77,7 @@ class Limiter:
             "counter": client.register_script(source("sliding_counter")),
         }
         self._cluster = hasattr(client, "get_nodes")
+        self._checked = False
         held = HeldConnection.for_client(client)
         # the script's EVALSHA: on a connection held for it when the client allows
         self._send = held.call if held is not None else client.execute_command
@@ -122,7 +139,9 @@ class Limiter:
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
-            LimiterUnavailable: Redis could not be reached or failed.
+            LimiterUnavailable: Redis could not be reached (for now).
+            LimiterMisconfigured: Redis refuses the limiter (a permission, a password,
+                its version): the message names the fix.
         """
         return self._call(
             key, to_limits(limits), cost, RESERVE if reserve else ACQUIRE, horizon=horizon
@@ -160,8 +179,39 @@ class Limiter:
             for k in keys:
                 self.client.delete(k + PENDING)
             return sum(int(self.client.delete(k)) for k in keys)
-        except redis.RedisError as exc:
-            raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a reset") from exc
+
+    def check(self) -> None:
+        """Check that Redis can serve this limiter: reachable, the credentials accepted,
+        version 6.2 or newer (when the user may read ``INFO``), both scripts loaded.
+
+        Run by the first decision of every limiter (so a worker meets a misconfigured
+        Redis at its first task, with one clear error); again after a failure.
+
+        Raises:
+            LimiterMisconfigured: a cause that retrying cannot change, and its fix.
+            LimiterUnavailable: Redis could not be reached (for now).
+        """
+        try:
+            try:
+                info = self.client.info("server")
+            except redis.exceptions.NoPermissionError:
+                info = {}  # a least-privilege user: the scripts' own errors will tell
+            for version in _versions(info):
+                error = version_error(version)
+                if error is not None:
+                    raise error
+            for script in self._scripts.values():
+                self.client.script_load(script.script)
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "the limiter's first call") from exc
+        self._checked = True
+
+    def translate(self, exc: Exception, doing: str) -> Exception:
+        """The library's exception for a redis-py one (see ``_failures``)."""
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        return translate(exc, doing, kwargs.get("username"), self.prefix)
 
     # -- shared by the Celery layer -------------------------------------------------
 
@@ -378,14 +428,16 @@ class Limiter:
         """One script call and its Decision; None if the reservation ``token_bytes``
         names was already started on (``SPENT``)."""
         script = self._scripts[limits[0].algorithm]
+        if not self._checked:
+            self.check()
         try:
             try:
                 reply = self._send("EVALSHA", script.sha, len(every), *every, token_bytes, numbers)
             except redis.exceptions.NoScriptError:
                 # loads the script, then runs it
                 reply = script(keys=every, args=[token_bytes, numbers])
-        except redis.RedisError as exc:
-            raise LimiterUnavailable(f"Redis failed during a rate-limit decision: {exc}") from exc
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a rate-limit decision") from exc
         if len(reply) == 3:  # allowed now by its one limit: the script's short reply
             remaining, reset_us, at_us = reply
             return make_decision(

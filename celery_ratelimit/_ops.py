@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-import redis
-
 from ._decision import Decision
-from ._exceptions import InvalidLimit, LimiterUnavailable
+from ._exceptions import InvalidLimit
 from ._keys import escape_key
 from ._limit import Limit, to_limits
-from ._limiter import PEEK, PENDING, Limiter
+from ._limiter import PEEK, PENDING, REDIS_ERRORS, Limiter
 from ._rate import Rate
 from ._settings import redis_url, setting
 
@@ -225,7 +223,7 @@ def status(
     ``match`` is a glob over logical keys (``"yt:*"``).
 
     Raises:
-        LimiterUnavailable: Redis could not be reached.
+        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
     """
     client = limiter.client
     result: list[KeyStatus] = []
@@ -254,8 +252,8 @@ def status(
                 row.remaining = decision.remaining
                 row.next_free = decision.retry_after
             result.append(row)
-    except redis.RedisError as exc:
-        raise LimiterUnavailable(f"Redis failed while reading status: {exc}") from exc
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "a status read") from exc
     return result
 
 
@@ -332,7 +330,7 @@ def reset(limiter: Limiter, key: str) -> list[str]:
     Returns the deleted Redis keys.
 
     Raises:
-        LimiterUnavailable: Redis could not be reached.
+        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
     """
     wanted = escape_key(key)
     try:
@@ -343,8 +341,8 @@ def reset(limiter: Limiter, key: str) -> list[str]:
         ]
         for redis_key in found:
             limiter.client.delete(redis_key, redis_key + PENDING)
-    except redis.RedisError as exc:
-        raise LimiterUnavailable(f"Redis failed during reset: {exc}") from exc
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "a reset") from exc
     return sorted(found)
 
 
@@ -390,7 +388,7 @@ def explain(
 
     Raises:
         KeyError: no such task (the message lists the rate-limited ones).
-        LimiterUnavailable: Redis could not be reached.
+        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
     """
     from ._task import plan_for
 
@@ -436,8 +434,8 @@ def explain(
         result.decision = limiter.decide(
             redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
         )
-    except redis.RedisError as exc:
-        raise LimiterUnavailable(f"Redis failed during explain: {exc}") from exc
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "explain") from exc
     finally:
         limiter.client.close()
     return result

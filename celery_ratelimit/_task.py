@@ -35,7 +35,12 @@ from celery.utils.time import maybe_iso8601
 
 from ._clock import observe, redis_eta
 from ._decision import Decision
-from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitExceeded
+from ._exceptions import (
+    InvalidLimit,
+    LimiterMisconfigured,
+    LimiterUnavailable,
+    RateLimitExceeded,
+)
 from ._keys import escape_key, render
 from ._limit import Limit, check_cost, describe, to_limits
 from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter
@@ -152,25 +157,20 @@ def plan_for(task: Any) -> Plan | None:
     return plan
 
 
-_warned_at = 0.0
-_warn_lock = threading.Lock()
+_last_logged: dict[str, float] = {}
+_log_lock = threading.Lock()
 
 
-def _warn_fail_open(task: Any, exc: Exception) -> None:
-    global _warned_at
-    interval = setting("ratelimit_warning_interval", task.app)
-    with _warn_lock:
+def _log_at_most_every(interval: float, key: str) -> bool:
+    """True if nothing was logged under ``key`` in the last ``interval`` seconds (and
+    note that something is now): one line per cause and interval, not one per task."""
+    with _log_lock:
         now = time.monotonic()
-        if now - _warned_at < interval:
-            return
-        _warned_at = now
-    logger.warning(
-        "ratelimit: Redis unavailable (%s); running %s without its rate limit "
-        "(on_redis_error='allow'; next warning in %.0fs at the earliest)",
-        exc,
-        task.name,
-        interval,
-    )
+        last = _last_logged.get(key)
+        if last is not None and now - last < interval:
+            return False
+        _last_logged[key] = now
+        return True
 
 
 def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retry | None:
@@ -186,6 +186,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
         RateLimitExceeded: deferred more than ``ratelimit_max_deferrals`` times.
         InvalidLimit: the call's key or cost cannot be worked out (the task fails).
         LimiterUnavailable: Redis is down and the policy is ``"raise"``.
+        LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
     """
     request = task.request
     if request.is_eager or request.called_directly:
@@ -228,16 +229,40 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
                 guard=guard,
                 hold=MAX_IN_PROCESS_WAIT,
             )
+        except LimiterMisconfigured as exc:
+            if metrics is not None:
+                metrics.redis_error(plan.limits)
+            interval = setting("ratelimit_warning_interval", app)
+            if _log_at_most_every(interval, str(exc)):
+                logger.error(
+                    "ratelimit: %s. Every rate-limited task fails until this is fixed "
+                    "(%s[%s] now; next report in %.0fs at the earliest)",
+                    exc,
+                    task.name,
+                    request.id,
+                    interval,
+                )
+            raise
         except LimiterUnavailable as exc:
             if metrics is not None:
                 metrics.redis_error(plan.limits)
             policy = _redis_error_policy(task, plan, request)
-            if policy == "allow":
-                _warn_fail_open(task, exc)
-                return None
             if policy == "raise":
                 raise
+            interval = setting("ratelimit_warning_interval", app)
             countdown = setting("ratelimit_redis_error_countdown", app, task, request)
+            if _log_at_most_every(interval, f"unavailable:{policy}"):
+                logger.warning(
+                    "ratelimit: Redis unavailable (%s); %s %s (ratelimit_on_redis_error=%r; "
+                    "next warning in %.0fs at the earliest)",
+                    exc,
+                    "running without its rate limit:" if policy == "allow" else "deferring",
+                    task.name if policy == "allow" else f"{task.name} by {countdown:g}s",
+                    policy,
+                    interval,
+                )
+            if policy == "allow":
+                return None
             outcome = _defer(task, plan, keys, args, kwargs, countdown, None, f"Redis error: {exc}")
             if isinstance(outcome, Retry):
                 return outcome
@@ -498,7 +523,7 @@ def wrap_before_start(cls: Any) -> None:
 
 def _release_on_revoke(request: Any = None, **_: Any) -> None:
     """A revoked or expired task gives its reserved slot back (if it had one)."""
-    headers = getattr(request, "_request_dict", None) or {}
+    headers = getattr(request, "request_dict", None) or {}
     token = headers.get(TOKEN_HEADER)
     task = getattr(request, "task", None)
     if not token or task is None:

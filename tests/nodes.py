@@ -88,6 +88,8 @@ class Nodes:
     queue: str = "celery"
     count: int = 3
     concurrency: int = 2
+    #: more environment variables for the nodes (``CELERY_RATELIMIT_PUBLIC_ONLY``)
+    extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     _client: Celery | None = None
@@ -105,6 +107,7 @@ class Nodes:
             CRL_QUEUE=self.queue,
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         )
+        env.update(self.extra_env)
         return env
 
     def start(self) -> Nodes:

@@ -208,6 +208,19 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     assert len(figures["nodes"]) >= 2, "the backlog should be shared by the nodes"
 
 
+@pytest.mark.parametrize("form", ["via_decorator", "shared_decorated"])
+def test_public_fallbacks_of_celery_internals_share_the_limit_the_same(
+    start_nodes: Callable[..., Nodes], form: str
+) -> None:
+    """With CELERY_RATELIMIT_PUBLIC_ONLY=1 every private access of ``_compat`` takes its
+    public path (a ``@shared_task`` found by its name at worker start, ETAs left as
+    sent): the same invariants hold."""
+    nodes = start_nodes(rate=RATE, extra_env={"CELERY_RATELIMIT_PUBLIC_ONLY": "1"})
+    ids, runs = drain(nodes, form, 40)
+    figures = check_backlog(nodes, ids, runs, RATE, f"public paths only, {form}")
+    assert figures["deferred_tasks"] >= 20  # the limit was enforced, not skipped
+
+
 @pytest.mark.rabbitmq
 def test_three_nodes_on_a_rabbitmq_broker_share_the_limit(
     start_nodes: Callable[..., Nodes],

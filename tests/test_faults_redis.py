@@ -113,10 +113,14 @@ def test_redis_down_at_worker_start_each_policy_then_back(
     assert not ran & set(fail)
     allow_runs = [r for r in runs if r["id"] in allow]
     slowest = max(r["local"] for r in allow_runs) - sent_at
-    warnings = fleet.grep("Redis unavailable")
+    warnings = fleet.grep("running without its rate limit")
     pids = {(r["hostname"], r["pid"]) for r in allow_runs}
     # one warning per pool process within the interval, never one per task
     assert len(warnings) == len(pids) <= 4 < len(allow)
+    # deferring for a Redis that is down is said too, at WARNING, as rarely
+    deferring = [line for line in fleet.grep("Redis unavailable") if "deferring" in line]
+    assert all("WARNING" in line for line in deferring + warnings)
+    assert 1 <= len(deferring) <= 4 < len(defer)
     redis_error_deferrals = len(fleet.grep("; Redis error:"))
     assert redis_error_deferrals >= len(defer)
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._client import HeldConnection, _exchange_through_connection
+from celery_ratelimit._client import HeldConnection
 from tests.redis_server import RedisServer
 
 
@@ -123,13 +123,13 @@ def test_a_call_interrupted_before_its_reply_leaves_nothing_for_the_next(
     assert limiter.acquire("k", "3/1m").remaining == 2
     held = getattr(limiter._send, "__self__", None)
     assert isinstance(held, HeldConnection) and held._conn is not None
-    parser = held._conn._parser  # read by both paths (plain and through the connection)
+    conn = held._conn
 
     def interrupted(*_: Any, **__: Any) -> None:
-        del parser.read_response  # once: the instance attribute hides the method
+        del conn.read_response  # once: the instance attribute hides the method
         raise _Interrupted
 
-    parser.read_response = interrupted
+    conn.read_response = interrupted
     with pytest.raises(_Interrupted):
         limiter.acquire("k", "3/1m")  # sent and counted; its reply never read
     # the reply of the interrupted call must not be taken for the next one's
@@ -158,10 +158,9 @@ def _pool_for(kind: str, redis_url: str) -> redis.ConnectionPool:
     "kind", ["hiredis", "python parser", "python packer", "RESP3", "health checks"]
 )
 def test_every_connection_kind_decides_the_same(redis_url: str, kind: str) -> None:
-    """The held connection sends on the socket itself when the connection is one of
-    redis-py's plain ones (either packer, either parser, either protocol), or through
-    the connection's methods (health checks): the same answers, NOSCRIPT recovered,
-    a script error raised as one."""
+    """The held connection decides the same on every kind of connection (either packer,
+    either parser, either protocol, health checks): NOSCRIPT recovered, a script error
+    raised as one, the connection still in step after it."""
     client = redis.Redis(connection_pool=_pool_for(kind, redis_url))
     limiter = Limiter(client, prefix=f"held-{uuid.uuid4().hex[:8]}")
     decisions = [limiter.acquire("k", Limit("2/1m"), reserve=True) for _ in range(3)]
@@ -175,8 +174,6 @@ def test_every_connection_kind_decides_the_same(redis_url: str, kind: str) -> No
     assert not limiter.acquire("k", "2/1m").allowed
     held = getattr(limiter._send, "__self__", None)
     assert isinstance(held, HeldConnection)
-    # both paths are exercised: only the health checks need the connection's methods
-    assert (held._exchange is _exchange_through_connection) == (kind == "health checks")
     with pytest.raises(redis.ResponseError, match="unknown command"):
         held.call("NO-SUCH-COMMAND")
     assert held.call("PING") in (b"PONG", "PONG", True)  # the connection is still in step

@@ -34,12 +34,19 @@ def test_exception_tree_has_one_root() -> None:
     from celery_ratelimit import (
         InvalidLimit,
         InvalidRate,
+        LimiterMisconfigured,
         LimiterUnavailable,
         RateLimitError,
         RateLimitExceeded,
     )
 
-    for exc in (InvalidLimit, InvalidRate, LimiterUnavailable, RateLimitExceeded):
+    for exc in (
+        InvalidLimit,
+        InvalidRate,
+        LimiterMisconfigured,
+        LimiterUnavailable,
+        RateLimitExceeded,
+    ):
         assert issubclass(exc, RateLimitError)
     assert issubclass(InvalidRate, ValueError) and issubclass(InvalidLimit, ValueError)
 

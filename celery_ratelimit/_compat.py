@@ -1,0 +1,86 @@
+"""Every use of a private part of Celery, each in one function with a public fallback.
+
+Celery offers no public way to do two things this library does better with its
+internals. Each is detected the first time it is needed, and when it is missing (a
+release moved it) or ``CELERY_RATELIMIT_PUBLIC_ONLY=1`` is set in the environment, the
+public path below it is taken instead:
+
+- **Which function a ``@shared_task`` proxy stands for** (read from the proxy's
+  constructor closure), so that ``@ratelimit`` above ``@shared_task`` attaches to every
+  app's copy of the task the moment that app is finalized (``celery._state``'s
+  finalize callbacks). Fallback: the decorator keeps the proxy and attaches when a
+  worker starts (the public ``import_modules`` and ``worker_init`` signals) and before
+  the ``ratelimit`` commands look at a task, by evaluating the proxy in the current app.
+- **A received task's ETA** (``Request._eta``), moved from Redis time to the worker's
+  clock (see ``_clock``). Fallback: the ETA is left as the sender wrote it: exact while
+  the workers' clocks agree, early or late by their disagreement otherwise (an early
+  copy is still held back by its reservation's confirmation).
+
+Nothing of redis-py's private is used (see ``_client``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+#: Force every public fallback (for the tests, or when a new Celery breaks a private path).
+PUBLIC_ONLY = os.environ.get("CELERY_RATELIMIT_PUBLIC_ONLY", "") not in ("", "0")
+
+
+def shared_task_function(proxy: Any) -> Callable[..., Any] | None:
+    """The function behind a ``@shared_task`` proxy, or None when it cannot be read."""
+    if PUBLIC_ONLY:
+        return None
+    try:
+        constructor = object.__getattribute__(proxy, "_Proxy__local")
+        cells = dict(
+            zip(constructor.__code__.co_freevars, constructor.__closure__ or (), strict=False)
+        )
+        function = cells["fun"].cell_contents if "fun" in cells else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return function if callable(function) else None
+
+
+def on_every_app_finalize(callback: Callable[[Any], None]) -> bool:
+    """Call ``callback(app)`` whenever a Celery app is finalized, from now on. False
+    when Celery offers no such hook."""
+    if PUBLIC_ONLY:
+        return False
+    try:
+        from celery import _state
+
+        connect = _state.connect_on_app_finalize
+    except (ImportError, AttributeError):
+        return False
+    connect(callback)
+    return True
+
+
+def finalized_apps() -> list[Any] | None:
+    """Every Celery app of this process that is finalized, or None when unknown."""
+    if PUBLIC_ONLY:
+        return None
+    try:
+        from celery import _state
+
+        active = _state._get_active_apps
+    except (ImportError, AttributeError):
+        return None
+    return [app for app in list(active()) if app.finalized]
+
+
+def set_received_eta(request: Any, eta: datetime.datetime) -> bool:
+    """Give a received task (``celery.worker.request.Request``) a new ETA before the
+    worker schedules it. False when that is not possible (the ETA is left as it is)."""
+    if PUBLIC_ONLY:
+        return False
+    if not isinstance(getattr(type(request), "eta", None), property):
+        return False
+    if not isinstance(getattr(request, "_eta", None), datetime.datetime):
+        return False
+    request._eta = eta
+    return request.eta is eta
