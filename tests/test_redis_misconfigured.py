@@ -1,0 +1,155 @@
+"""A limiter Redis that refuses the limiter for good ends tasks, clearly, at once.
+
+One real worker node (prefork -c 2, default settings: ``ratelimit_on_redis_error``
+is "defer") per case, its limiter URL broken in one way; the broker is a private
+redis-server that works. Each task must end FAILURE within seconds with
+``LimiterMisconfigured`` naming the cause, and the node must say so in one log line at
+ERROR, not one per task.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fault_nodes import Fleet, unique_prefix
+from tests.nodes import rabbitmq_reachable
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(120)]
+
+#: A task failed by a permanent error ends within this many seconds of being sent.
+FAILS_WITHIN = 10.0
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    admin = server.client()
+    admin.execute_command(*"ACL SETUSER noeval on >pw ~* +@all -evalsha -eval".split())
+    admin.execute_command(*"ACL SETUSER nokeys on >pw ~elsewhere:* +@all".split())
+    admin.set("crl-wrongtype:{shared}:log:1000000", "not a sorted set")
+    admin.close()
+    yield server
+    server.close()
+
+
+def _url(server: RedisServer, userinfo: str = "") -> str:
+    return f"redis://{userinfo}127.0.0.1:{server.port}/0"
+
+
+CASES = {
+    "ACL user without EVALSHA": (
+        lambda s: _url(s, "noeval:pw@"),
+        r"lacks a permission .*evalsha.*ACL SETUSER noeval",
+    ),
+    "ACL user without key access": (
+        lambda s: _url(s, "nokeys:pw@"),
+        r"lacks a permission .*keys.*ACL SETUSER nokeys",
+    ),
+    "wrong password": (
+        lambda s: _url(s, "noeval:wrong@"),
+        r"refused the limiter's credentials.*check the user and password",
+    ),
+    "password missing": (
+        lambda s: _url(s, "noeval@"),
+        r"refused the limiter's credentials",
+    ),
+    "a key of another type": (
+        lambda s: _url(s),
+        r"holds a value of another type.*ratelimit_key_prefix",
+    ),
+    "not a Redis server (RabbitMQ's port)": (
+        lambda s: "redis://127.0.0.1:5672/0",
+        r"does not point at a Redis server",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
+    server: RedisServer, tmp_path: Path, request: pytest.FixtureRequest, case: str
+) -> None:
+    make_url, cause = CASES[case]
+    if "RabbitMQ" in case and not rabbitmq_reachable():
+        pytest.skip("nothing listens on 127.0.0.1:5672")
+    if case == "password missing":
+        # a server that requires a password of the default user
+        locked = RedisServer()
+        request.addfinalizer(locked.close)
+        locked.client().config_set("requirepass", "s3cret")
+        limiter_url = f"redis://127.0.0.1:{locked.port}/0"
+    else:
+        limiter_url = make_url(server)
+    fleet = Fleet(
+        tmp_path,
+        broker_url=f"redis://127.0.0.1:{server.port}/1",
+        limiter_url=limiter_url,
+        runs_url=f"redis://127.0.0.1:{server.port}/3",
+        prefix="crl-wrongtype" if "another type" in case else unique_prefix("misconfigured"),
+    )
+    try:
+        fleet.add(1)
+        sent = time.monotonic()
+        ids = [fleet.send("limited", i) for i in range(6)]
+        deadline = sent + FAILS_WITHIN
+        failures: list[str] = []
+        while time.monotonic() < deadline:
+            failures = [
+                line
+                for line in fleet.grep("raised unexpected")
+                if "LimiterMisconfigured" in line and any(i in line for i in ids)
+            ]
+            if len(failures) == len(ids):
+                break
+            time.sleep(0.2)
+        took = time.monotonic() - sent
+        assert len(failures) == len(ids), f"{len(failures)} of {len(ids)} failed in {took:.1f}s"
+        assert fleet.runs() == []  # no body ran
+        assert not fleet.grep("ratelimit: deferred")  # none was deferred first
+        reports = [
+            line for line in fleet.grep("ratelimit: ") if "fails until this is fixed" in line
+        ]
+        # one line per pool process that met it (concurrency 2), not one per task
+        assert 1 <= len(reports) <= 2 < len(ids), reports
+        assert all("ERROR" in line for line in reports)
+        assert re.search(cause, reports[0]), reports[0]
+        assert limiter_url not in fleet.logs(tail=10**6)  # nor its password
+        print(f"\n[{case}] {len(ids)} tasks failed within {took:.1f}s: {reports[0]}")
+    except BaseException:
+        print(fleet.logs())
+        raise
+    finally:
+        fleet.stop()
+
+
+def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    fleet = Fleet(
+        tmp_path,
+        broker_url=f"redis://127.0.0.1:{server.port}/1",
+        limiter_url=f"redis://127.0.0.1:{free_port()}/0",
+        runs_url=f"redis://127.0.0.1:{server.port}/3",
+        prefix=unique_prefix("closed-port"),
+        settings={"error_countdown": "0.3"},
+    )
+    try:
+        fleet.add(1)
+        ids = [fleet.send("limited", i) for i in range(4)]
+        time.sleep(4.0)
+        deferred = fleet.grep("Redis error:")
+        warnings = [line for line in fleet.grep("Redis unavailable") if "deferring" in line]
+        assert len(deferred) >= 2 * len(ids)  # each task was deferred again and again...
+        assert 1 <= len(warnings) <= 2  # ...and that was said once per pool process
+        assert all("WARNING" in line and "Connection refused" in line for line in warnings)
+        assert not fleet.grep("raised unexpected")  # transient: nothing failed
+    except BaseException:
+        print(fleet.logs())
+        raise
+    finally:
+        fleet.stop()
