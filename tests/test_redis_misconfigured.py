@@ -30,8 +30,16 @@ FAILS_WITHIN = 10.0
 def server() -> Iterator[RedisServer]:
     server = RedisServer()
     admin = server.client()
-    admin.execute_command(*"ACL SETUSER noeval on >pw ~* +@all -evalsha -eval".split())
-    admin.execute_command(*"ACL SETUSER nokeys on >pw ~elsewhere:* +@all".split())
+    admin.acl_setuser(
+        "noeval",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        commands=["+@all", "-evalsha", "-eval"],
+    )
+    admin.acl_setuser(
+        "nokeys", enabled=True, passwords=["+pw"], keys=["elsewhere:*"], commands=["+@all"]
+    )
     admin.set("crl-wrongtype:{shared}:log:1000000", "not a sorted set")
     admin.close()
     yield server
