@@ -38,9 +38,60 @@ def _hosts(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[st
     for part in hostlist.split(","):
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise InvalidLimit(f"bad host:port {part!r} in Redis URL {url!r}")
+            raise InvalidLimit(f"bad host:port {part!r} in Redis URL {redacted(url)}")
         hosts.append((host.strip("[]"), int(port)))
     return username, password, hosts
+
+
+SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    *(f"{a}+{b}" for a in ("redis", "rediss") for b in ("sentinel", "cluster")),
+)
+
+
+def redacted(url: object) -> str:
+    """``url`` for an error message: its password, if any, replaced by ``***``."""
+    if not isinstance(url, str):
+        return repr(url)
+    head, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return repr(url)
+    return repr(f"{head}://{userinfo.split(':', 1)[0]}:***@{hosts}")
+
+
+def check_url(url: object) -> str:
+    """``url`` if it is a Redis URL this library can connect to; its scheme, lowercase.
+
+    Raises:
+        InvalidLimit: not a string, an unknown scheme, or a malformed host, port or db,
+            naming the URL (its password redacted).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidLimit(f"not a Redis URL: {redacted(url)}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise InvalidLimit(
+            f"unknown Redis URL scheme {scheme!r} in {redacted(url)}: expected redis, rediss, "
+            "unix, redis+sentinel or redis+cluster"
+        )
+    parts = urlsplit(url)
+    if scheme == "unix":
+        if not parts.path:
+            raise InvalidLimit(f"Redis URL {redacted(url)} names no socket path")
+    elif scheme in ("redis", "rediss"):
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            raise InvalidLimit(f"bad port in Redis URL {redacted(url)}") from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise InvalidLimit(f"bad database number {db!r} in Redis URL {redacted(url)}")
+    else:
+        _hosts(parts.netloc, url)
+    return scheme
 
 
 def client_from_url(
@@ -51,9 +102,7 @@ def client_from_url(
     Raises:
         InvalidLimit: an unknown scheme or a malformed URL, naming it.
     """
-    if not isinstance(url, str) or "://" not in url:
-        raise InvalidLimit(f"not a Redis URL: {url!r}")
-    scheme = url.split("://", 1)[0].lower()
+    scheme = check_url(url)
     timeouts: dict[str, Any] = {
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": socket_connect_timeout,
@@ -61,18 +110,15 @@ def client_from_url(
     if scheme in ("redis", "rediss", "unix"):
         options.setdefault("retry", Retry(NoBackoff(), 1))
         return redis.Redis.from_url(url, **timeouts, **options)
-    if scheme not in ("redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"):
-        raise InvalidLimit(
-            f"unknown Redis URL scheme {scheme!r} in {url!r}: expected redis, rediss, unix, "
-            "redis+sentinel or redis+cluster"
-        )
     parts = urlsplit(url)
     username, password, hosts = _hosts(parts.netloc, url)
     tls = scheme.startswith("rediss")
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         path = [p for p in parts.path.split("/") if p]
         if not path:
-            raise InvalidLimit(f"Sentinel URL {url!r} needs the master name: .../mymaster/0")
+            raise InvalidLimit(
+                f"Sentinel URL {redacted(url)} needs the master name: .../mymaster/0"
+            )
         master = path[0]
         db = int(path[1]) if len(path) > 1 else 0
         sentinel = Sentinel(hosts, sentinel_kwargs=dict(timeouts), **timeouts)  # type: ignore[no-untyped-call]

@@ -64,13 +64,17 @@ def ratelimit(
         attributes[full] = value
 
     def decorate(task: T) -> T:
-        if isinstance(task, PromiseProxy) and not task.__evaluated__():
-            # @app.task before the app is finalized: attach once Celery builds the task.
-            task.__then__(lambda: _attach(task.__maybe_evaluate__(), attributes))
-        elif isinstance(task, Proxy) and not isinstance(task, PromiseProxy):
+        # type(), not isinstance(): a proxy answers isinstance() for what it stands for,
+        # which would build a task (or fail) before its app is ready
+        kind = type(task)
+        if issubclass(kind, PromiseProxy):
+            # @app.task: attach once Celery builds the task (now, if it has)
+            proxy: Any = task
+            proxy.__then__(lambda: _attach(proxy.__maybe_evaluate__(), attributes))
+        elif issubclass(kind, Proxy):
             # @shared_task: every app builds its own copy when it is finalized.
             _attach_shared_proxy(task, attributes)
-        elif isinstance(task, (Task, Proxy)):
+        elif issubclass(kind, Task):
             _attach(task, attributes)
         else:
             raise TypeError(

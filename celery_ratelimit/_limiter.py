@@ -30,6 +30,10 @@ DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
+#: Longest horizon accepted (seconds): a year, the longest window.
+MAX_HORIZON = 366 * 86_400.0
+#: A reservation token: this many random bytes, written as hex by the limiter.
+TOKEN_BYTES = 8
 #: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
 
@@ -49,6 +53,24 @@ def _versions(info: Any) -> list[str]:
         for v in info.values()
         if isinstance(v, dict) and "redis_version" in v
     ]
+
+
+def token_bytes_of(token: object) -> bytes:
+    """The bytes of a reservation token as :meth:`Limiter.acquire` wrote it (16 hex
+    digits).
+
+    Raises:
+        InvalidLimit: anything else, which no reservation could be found by.
+    """
+    if isinstance(token, str) and len(token) == 2 * TOKEN_BYTES:
+        try:
+            return bytes.fromhex(token)
+        except ValueError:
+            pass
+    raise InvalidLimit(
+        f"not a reservation token: {token!r} (a token is the Decision.token that "
+        f"acquire(..., reserve=True) returned: {2 * TOKEN_BYTES} hex digits)"
+    )
 
 
 class Limiter:
@@ -134,8 +156,8 @@ class Limiter:
             limits: a rate string, a :class:`Limit` or a list of them.
             cost: weight of this call, a positive int no greater than any limit.
             reserve: when denied, reserve the earliest future slot at which the cost
-                fits (``Decision.reserved``), unless it lies beyond ``horizon`` seconds.
-                Only the ``"log"`` algorithm reserves.
+                fits (``Decision.reserved``), unless it lies beyond ``horizon`` seconds
+                (more than 0, at most a year). Only the ``"log"`` algorithm reserves.
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
@@ -165,11 +187,20 @@ class Limiter:
         Allowed if its slot has come; ``reserved`` with the time left if not yet; if the
         reservation is gone (Redis restarted, key reset), competes again as ``acquire``
         with ``reserve=True``.
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote, or a bad horizon.
         """
+        token_bytes_of(token)
         return self._call(key, to_limits(limits), cost, CONFIRM, token=token, horizon=horizon)
 
     def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
-        """Give back a reservation that will not be used (a revoked or expired task)."""
+        """Give back a reservation that will not be used (a revoked or expired task).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        token_bytes_of(token)
         self._call(key, to_limits(limits), cost, RELEASE, token=token)
 
     def reset(self, key: str, limits: LimitSpec) -> int:
@@ -286,7 +317,7 @@ class Limiter:
         else:
             every = self._every(redis_keys, limits)
             numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
-        token_bytes = bytes.fromhex(token) if token else os.urandom(8)
+        token_bytes = token_bytes_of(token) if token else os.urandom(TOKEN_BYTES)
         decision = self._run(every, numbers, limits, token_bytes)
         if decision is None:
             # the reservation was already started on (a message delivered twice):
@@ -389,6 +420,12 @@ class Limiter:
             raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
         if len(costs) != len(limits):
             raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
+            raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
+        if not 0 < horizon <= MAX_HORIZON:
+            raise InvalidLimit(
+                f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
+            )
         numbers: list[int] = [
             mode,
             int(horizon * 1_000_000),

@@ -8,20 +8,20 @@ from decimal import Decimal
 
 from ._exceptions import InvalidRate
 
+_SECOND, _MINUTE, _HOUR, _DAY = 1_000_000, 60_000_000, 3_600_000_000, 86_400_000_000
+#: Every unit name, exactly as written (lowercase: "10/Ms" is no rate, not 10 per ms).
 _UNITS_US = {
     "ms": 1_000,
-    "s": 1_000_000,
-    "sec": 1_000_000,
-    "second": 1_000_000,
-    "m": 60_000_000,
-    "min": 60_000_000,
-    "minute": 60_000_000,
-    "h": 3_600_000_000,
-    "hour": 3_600_000_000,
-    "d": 86_400_000_000,
-    "day": 86_400_000_000,
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), _SECOND),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), _MINUTE),
+    **dict.fromkeys(("h", "hour", "hours"), _HOUR),
+    **dict.fromkeys(("d", "day", "days"), _DAY),
 }
-_RATE_RE = re.compile(r"^\s*(?P<limit>\d+)\s*/\s*(?P<amount>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$")
+#: ASCII digits only: "٣/s" is refused rather than read as 3 per second.
+_RATE_RE = re.compile(
+    r"^\s*(?P<limit>[0-9]+)\s*/\s*(?P<amount>[0-9]+(?:\.[0-9]+)?)?\s*(?P<unit>[A-Za-z]+)\s*$",
+    re.ASCII,
+)
 #: Largest limit accepted; keeps every running total far below the log's entry scores.
 MAX_LIMIT = 10**12
 #: Shortest and longest windows accepted.
@@ -59,9 +59,9 @@ class Rate:
     def parse(cls, text: str | Rate) -> Rate:
         """Parse ``"N/unit"`` or ``"N/<amount><unit>"``.
 
-        Units: ``ms``, ``s``, ``m``, ``h``, ``d`` (also ``sec``, ``min``, ``hour``, ``day``
-        and plurals). Examples: ``"10/s"``, ``"100/m"``, ``"9500/d"``, ``"50/10s"``,
-        ``"5/1.5s"``.
+        Units, lowercase: ``ms``, ``s``, ``m``, ``h``, ``d`` (also ``sec``, ``second``,
+        ``min``, ``minute``, ``hour``, ``day`` and their plurals); ASCII digits.
+        Examples: ``"10/s"``, ``"100/m"``, ``"9500/d"``, ``"50/10s"``, ``"5/1.5s"``.
 
         Raises:
             InvalidRate: naming the text that could not be parsed.
@@ -70,17 +70,13 @@ class Rate:
             return text
         if not isinstance(text, str):
             raise InvalidRate(f"a rate must be a string such as '10/s', got {text!r}")
-        match = _RATE_RE.match(text.lower())
-        unit = None
-        if match is not None:
-            name = match["unit"]
-            if name not in _UNITS_US and len(name) > 2 and name.endswith("s"):
-                name = name[:-1]
-            unit = _UNITS_US.get(name)
+        match = _RATE_RE.match(text)
+        unit = _UNITS_US.get(match["unit"]) if match is not None else None
         if match is None or unit is None:
             raise InvalidRate(
                 f"cannot parse rate {text!r}: expected 'N/unit' or 'N/<amount><unit>' "
-                "with unit ms, s, m, h or d, e.g. '10/s', '50/10s', '9500/d'"
+                "with unit ms, s, m, h or d in lowercase (or sec, min, hour, day and their "
+                "plurals), e.g. '10/s', '50/10s', '9500/d'"
             )
         window = Decimal(match["amount"] or 1) * unit
         if window != window.to_integral_value():
@@ -96,12 +92,12 @@ class Rate:
         return self.window_us / 1_000_000
 
     def __str__(self) -> str:
-        for name, size in (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000)):
+        for name, size in (("d", _DAY), ("h", _HOUR), ("m", _MINUTE)):
             if self.window_us == size:
                 return f"{self.limit}/{name}"
-        if self.window_us == 1_000_000:
+        if self.window_us == _SECOND:
             return f"{self.limit}/s"
-        if self.window_us % 1_000_000 == 0:
-            return f"{self.limit}/{self.window_us // 1_000_000}s"
+        if self.window_us % _SECOND == 0:
+            return f"{self.limit}/{self.window_us // _SECOND}s"
         # exact, so that Rate.parse(str(rate)) == rate (":g" kept 6 digits)
         return f"{self.limit}/{Decimal(self.window_us) / 1_000_000:f}s"

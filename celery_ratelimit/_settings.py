@@ -8,12 +8,14 @@ option (``@app.task(base=RateLimitedTask, ratelimit_max_deferrals=3)`` or the
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import signals
 
+from ._client import check_url
 from ._exceptions import InvalidLimit
 from ._limit import REDIS_ERROR_POLICIES
 from ._limiter import DEFAULT_PREFIX, Limiter
@@ -49,13 +51,13 @@ DEFAULTS: dict[str, Any] = {
 
 
 def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise InvalidLimit(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
 
 
 def _non_negative(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise InvalidLimit(f"{name} must be a number of seconds >= 0, got {value!r}")
     return float(value)
 
@@ -96,8 +98,18 @@ def _rules(name: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _redis_url(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        check_url(value)
+    except InvalidLimit as exc:
+        raise InvalidLimit(f"{name}: {exc}") from None
+    return str(value)
+
+
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "ratelimit_redis_url": _string,
+    "ratelimit_redis_url": _redis_url,
     "ratelimit_key_prefix": _string,
     "ratelimit_rules": _rules,
     "ratelimit_on_redis_error": _policy,

@@ -9,8 +9,10 @@ swallowed.
 A denied call is published again as the same task (same id, args, kwargs, links,
 chain, chord, group, queue, priority, expires) for the limiter's retry-after (an
 ``eta`` in Redis time, which the receiving worker moves to its own clock: see
-``_clock``), ``retries`` unchanged, and two headers: ``ratelimit_deferrals`` (how many
+``_clock``), ``retries`` unchanged, and headers: ``ratelimit_deferrals`` (how many
 times this task was deferred) and ``ratelimit_token`` (its reserved slot, if any).
+A third, ``ratelimit_retries``, tells a user's ``self.retry()`` of a deferred task (which
+copies every header) from a deferral: the retry counts its own deferrals afresh.
 The copy is published *before* the original message is acknowledged: a crash in
 between can duplicate a message, never lose one.
 """
@@ -43,7 +45,7 @@ from ._exceptions import (
 )
 from ._keys import escape_key, render
 from ._limit import Limit, check_cost, describe, to_limits
-from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter
+from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter, token_bytes_of
 from ._metrics import metrics_for, send_deferral_event
 from ._settings import limiter_for, setting
 
@@ -52,6 +54,8 @@ logger = logging.getLogger("celery_ratelimit")
 #: Message headers written on a deferral.
 DEFERRALS_HEADER = "ratelimit_deferrals"
 TOKEN_HEADER = "ratelimit_token"
+#: ``request.retries`` of the execution that was deferred (see ``_token_header``).
+RETRIES_HEADER = "ratelimit_retries"
 #: Request attribute holding the Decision that let the task run.
 DECISION_ATTR = "ratelimit_decision"
 #: A start at most this far ahead (an early arrival, a reservation this close, a
@@ -122,6 +126,8 @@ class Plan:
         return tuple(keys), tuple(costs)
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The call's arguments by name, defaults applied; a ``**kwargs`` parameter's
+        keywords are named as they were passed (``{b}`` of ``t.delay(b=1)``)."""
         if self.signature is None:
             return dict(kwargs)
         try:
@@ -131,7 +137,57 @@ class Plan:
                 f"cannot bind the arguments of {self.task_name} to build its rate-limit key: {exc}"
             ) from None
         bound.apply_defaults()
-        return bound.arguments
+        arguments = dict(bound.arguments)
+        for parameter in self.signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments = {**arguments.pop(parameter.name, {}), **arguments}
+        return arguments
+
+
+def run_signature(cls: Any) -> inspect.Signature | None:
+    """The signature a call of task class ``cls`` binds to (``self`` left out)."""
+    run = inspect.getattr_static(cls, "run", None)
+    try:
+        if isinstance(run, staticmethod):
+            return inspect.signature(run.__func__)
+        signature = inspect.signature(run)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def check_key_fields(cls: Any, limits: tuple[Limit, ...]) -> None:
+    """Refuse, when the task is declared, a key template naming an argument that no
+    call of the task can have.
+
+    Raises:
+        InvalidLimit: naming the template, the field and the task's signature.
+    """
+    signature = run_signature(cls)
+    if signature is None:
+        return
+    kinds = [parameter.kind for parameter in signature.parameters.values()]
+    names = {
+        parameter.name
+        for parameter in signature.parameters.values()
+        if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    positions = sum(
+        kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for kind in kinds
+    )
+    for limit in limits:
+        for field in limit.fields:
+            if field.isdigit():
+                possible = inspect.Parameter.VAR_POSITIONAL in kinds or int(field) < positions
+            else:
+                possible = field in names or inspect.Parameter.VAR_KEYWORD in kinds
+            if not possible:
+                name = getattr(cls, "name", None) or cls.__name__
+                raise InvalidLimit(
+                    f"key template {limit.key!r} of task {name} names argument {{{field}}}, "
+                    f"which no call of it can have: its signature is {signature}"
+                )
 
 
 def plan_for(task: Any) -> Plan | None:
@@ -211,7 +267,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
         if "ratelimit_reserve" in calls
         else here.reserve
     )
-    token = getattr(request, TOKEN_HEADER, None) or None
+    token = _token_header(task, request)
     limiter = here.limiter
     metrics = here.metrics  # None unless ratelimit_metrics is on
     first = RESERVE if reserve else ACQUIRE
@@ -304,6 +360,24 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Retr
         token = outcome
 
 
+def _token_header(task: Any, request: Any) -> str | None:
+    """The message's reservation token; one the limiter did not write is no token (the
+    task competes afresh), and a user's ``self.retry()`` of a deferred task starts
+    afresh too: its copy carries the headers of the execution it retries."""
+    if getattr(request, RETRIES_HEADER, request.retries) != request.retries:
+        setattr(request, DEFERRALS_HEADER, 0)
+        setattr(request, TOKEN_HEADER, None)
+    token = getattr(request, TOKEN_HEADER, None) or None
+    if token is None:
+        return None
+    try:
+        token_bytes_of(token)
+    except InvalidLimit as exc:
+        logger.warning("ratelimit: %s[%s]: %s; competing without it", task.name, request.id, exc)
+        return None
+    return str(token)
+
+
 @dataclass(frozen=True)
 class _ProcessSettings:
     """A task's options from the task and ``app.conf``, resolved once per process
@@ -394,6 +468,7 @@ def _defer(
     }
     headers[DEFERRALS_HEADER] = deferrals + 1
     headers[TOKEN_HEADER] = token
+    headers[RETRIES_HEADER] = request.retries
     signature = task.signature_from_request(
         request,
         args,
@@ -488,6 +563,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]
             cls.ratelimit = to_limits(
                 spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
             )
+            check_key_fields(cls, cls.ratelimit)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check the shared limit before the body runs; defer (``Retry``) if denied."""
@@ -498,12 +574,14 @@ class RateLimitedTask(Task):  # type: ignore[misc]
 
 
 def wrap_before_start(cls: Any) -> None:
-    """Make a plain task class enforce its ``ratelimit`` in ``before_start``.
+    """Make a plain task class enforce its ``ratelimit`` in ``before_start`` (its key
+    templates checked against the task's signature first).
 
     Used by the ``ratelimit`` decorator and by ``install``: the method is set on the
     task's own class (Celery looks it up there when it builds the task's tracer); an
     existing ``before_start`` still runs, after the check.
     """
+    check_key_fields(cls, to_limits(cls.ratelimit))
     if issubclass(cls, RateLimitedTask) or cls.__dict__.get("_ratelimit_wrapped"):
         return
     original = cls.before_start

@@ -434,9 +434,13 @@ def test_deferrals_never_use_up_max_retries_and_self_retry_still_works(nodes: No
     for run in runs:
         by_id.setdefault(run["id"], []).append(run)
     assert len(by_id) == 6
-    for attempts in by_id.values():
+    logged = deferrals_logged(nodes)
+    for task_id, attempts in by_id.items():
         # one failing run (retries 0), one succeeding run (retries 1); deferrals between
         assert sorted(r["retries"] for r in attempts) == [0, 1]
+        # each run counts its own deferrals: the retry's count starts afresh, so that
+        # a retry never uses up ratelimit_max_deferrals with its first run's deferrals
+        assert sum(r["deferrals"] for r in attempts) == logged[task_id], attempts
     assert sum(r["deferrals"] for r in runs) >= 4, "the backlog should have been deferred"
     assert max_in_window([r["granted"] for r in runs], 1_000_000) <= 2
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import time
 from typing import Any
 
@@ -497,3 +498,25 @@ def test_a_reservation_started_once_gives_a_second_execution_budget_of_its_own(
     assert again.allowed or (again.reserved and again.token != held.token)
     starts = [t for t, _ in entries(redis_client, key)]
     assert max_in_window([(t, 1) for t in starts], 300_000) <= 2
+
+
+@pytest.mark.parametrize("token", ["zz", "ab", "", None, 42, "0123456789abcdeg", "0" * 18])
+def test_a_token_the_limiter_did_not_write_is_refused_naming_it(
+    limiter: Limiter, token: object
+) -> None:
+    for call in (limiter.confirm, limiter.release):
+        with pytest.raises(
+            InvalidLimit, match=r"not a reservation token: " + re.escape(repr(token))
+        ):
+            call(token, "k", "2/s")  # type: ignore[arg-type]
+    assert limiter.peek("k", "2/s").remaining == 2  # nothing was counted or reserved
+
+
+@pytest.mark.parametrize("horizon", [float("nan"), float("inf"), 0, -1.0, 10**9])
+def test_a_horizon_that_is_no_span_of_time_is_refused_naming_it(
+    limiter: Limiter, horizon: float
+) -> None:
+    with pytest.raises(InvalidLimit, match=r"horizon must be .* got " + re.escape(repr(horizon))):
+        limiter.acquire("k", "2/s", reserve=True, horizon=horizon)
+    with pytest.raises(TypeError, match="horizon"):
+        limiter.acquire("k", "2/s", reserve=True, horizon="60")  # type: ignore[arg-type]

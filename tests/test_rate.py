@@ -23,7 +23,8 @@ from celery_ratelimit._rate import MAX_LIMIT
         ("2/hours", 2, 3_600_000_000),
         ("3/days", 3, 86_400_000_000),
         (" 10 / 2 s ", 10, 2_000_000),
-        ("10/S", 10, 1_000_000),
+        ("4/seconds", 4, 1_000_000),
+        ("6/mins", 6, 60_000_000),
         (f"{MAX_LIMIT}/d", MAX_LIMIT, 86_400_000_000),
     ],
 )
@@ -57,6 +58,13 @@ def test_parses_limit_and_window_in_microseconds(text: str, limit: int, window_u
         "10 per second",
         "1e3/s",
         "10/-5s",
+        "10/Ms",  # not 10 per millisecond: units are lowercase
+        "10/S",
+        "10/mss",
+        "10/ss",
+        "10/hs",
+        "\u0663/s",  # an Arabic-Indic 3
+        "10/\uff15s",  # a fullwidth 5
     ],
 )
 def test_malformed_rate_raises_naming_the_text(text: str) -> None:

@@ -290,6 +290,11 @@ def test_bad_declarations_fail_at_import_time_naming_the_value(
         ("ratelimit_key_prefix", ""),
         ("ratelimit_rules", ["10/s"]),
         ("ratelimit_redis_url", 6379),
+        ("ratelimit_redis_url", "http://x"),
+        ("ratelimit_redis_url", "redis://127.0.0.1:notaport/0"),
+        ("ratelimit_redis_url", "redis://127.0.0.1:6379/zero"),
+        ("ratelimit_max_countdown", float("inf")),
+        ("ratelimit_guard", float("nan")),
         ("ratelimit_warning_intervall", 60),
     ],
 )
@@ -373,18 +378,25 @@ def test_errors_only_a_call_can_reveal_fail_the_task_without_deferring_it(
             fleet.send("bad_key_function", 1): "returned None",
             fleet.send("too_few_arguments", "only-one"): "needs positional argument 1",
         }
+        # a token the limiter never wrote is no token: that task competes afresh and runs
+        forged = fleet.send("limited", 1, headers={"ratelimit_token": "zz"})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             failed = fleet.grep("raised unexpected")
             if all(any(i in line for line in failed) for i in cases):
                 break
             time.sleep(0.2)
+        assert [r["id"] for r in fleet.wait_for_runs([forged], 10)] == [forged]
+        assert any(
+            "WARNING" in line and "not a reservation token: 'zz'" in line
+            for line in fleet.grep(forged)
+        )
         failed = fleet.grep("raised unexpected")
         for task_id, message in cases.items():
             lines = [line for line in failed if task_id in line]
             assert lines and message in lines[0], (task_id, message, lines)
         assert not deferred_ids(fleet.grep("ratelimit: deferred ")) & set(cases)
-        assert not fleet.runs()
+        assert [r["id"] for r in fleet.runs()] == [forged]
         print(
             "\n[bad calls] "
             + "; ".join(line.split("raised unexpected: ")[1][:110] for line in failed)

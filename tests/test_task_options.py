@@ -218,15 +218,53 @@ def test_key_templates_bind_positional_and_keyword_arguments(app: Celery) -> Non
     assert plan.resolve(("a:b}{c",), {})[0][0] == "yt:a%3Ab%7D%7Bc:eu"
 
 
-def test_a_key_template_naming_a_missing_argument_raises_a_clear_error(app: Celery) -> None:
-    @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{tenant}"), shared=False)
-    def job(i: int) -> None: ...
+def test_a_key_template_naming_an_argument_no_call_can_have_fails_when_declared(
+    app: Celery,
+) -> None:
+    for form in ("base class", "decorator", "rules"):
+        with pytest.raises(InvalidLimit, match=r"'t:\{tenant\}' .*\{tenant\}.*\(i: 'int'\)"):
+            if form == "base class":
+
+                @app.task(
+                    base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{tenant}"), shared=False
+                )
+                def job(i: int) -> None: ...
+
+                _ = job.ratelimit  # Celery builds the task class lazily
+            elif form == "decorator":
+
+                @ratelimit("5/s", key="t:{tenant}")
+                @app.task(shared=False, name="decorated")
+                def decorated(i: int) -> None: ...
+
+                app.finalize()
+            else:
+                app.conf.ratelimit_rules = {"ruled": Limit("5/s", key="t:{tenant}")}
+                install(app)
+
+                @app.task(shared=False, name="ruled")
+                def ruled(i: int) -> None: ...
+
+                _ = ruled.name
+    with pytest.raises(InvalidLimit, match=r"\{2\}"):
+
+        @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{2}"), shared=False)
+        def two(i: int, j: int) -> None: ...
+
+        _ = two.ratelimit
+
+
+def test_a_key_template_may_name_a_keyword_of_a_kwargs_task(app: Celery) -> None:
+    @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="kw:{b}:{0}"), shared=False)
+    def job(*args: int, **kwargs: int) -> None: ...
 
     app.finalize()
     plan = plan_for(job)
     assert plan is not None
-    with pytest.raises(InvalidLimit, match="'tenant'"):
-        plan.resolve((1,), {})
+    assert plan.resolve((7,), {"b": 1}) == (("kw:1:7",), (1,))
+    # a call that lacks it can only be told per call
+    with pytest.raises(InvalidLimit, match="'b'"):
+        plan.resolve((7,), {"c": 1})
 
 
 def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
