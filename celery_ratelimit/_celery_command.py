@@ -63,10 +63,13 @@ def reset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> 
 @click.pass_context
 def explain(ctx: click.Context, task: str, args: tuple[str, ...], kwargs: str) -> None:
     """Which limits apply to TASK(ARGS...), their Redis keys, and a decision (peek)."""
-    from ._cli import run_explain
+    from ._cli import CallWouldFail, run_explain
 
     try:
         _echo(run_explain(_app(ctx), task, args, kwargs))
+    except CallWouldFail as exc:
+        _echo(exc.lines)
+        ctx.exit(1)
     except RateLimitError as exc:
         raise click.ClickException(str(exc)) from exc
     except SystemExit as exc:

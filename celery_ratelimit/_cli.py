@@ -60,14 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_app(spec: str) -> Any:
-    """The Celery app named by ``module`` or ``module:attribute`` (as ``celery -A``)."""
+    """The Celery app named by ``module`` or ``module:attribute`` (as ``celery -A``).
+
+    Raises:
+        SystemExit: the app cannot be loaded, with the reason.
+    """
     import os
 
     from celery.app.utils import find_app
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `celery -A` does
-    return find_app(spec)
+    try:
+        return find_app(spec)
+    except Exception as exc:
+        raise SystemExit(
+            f"error: cannot load the Celery app {spec!r}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def limiter_from(app: Any, url: str | None, prefix: str | None) -> Limiter:
@@ -122,11 +131,22 @@ def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[s
         explanation = _ops.explain(app, task, [_ops.parse_value(a) for a in args], parsed)
     except KeyError as exc:
         raise SystemExit(exc.args[0]) from None
-    return _ops.format_explanation(
+    lines = _ops.format_explanation(
         explanation,
         reserve=setting("ratelimit_reserve", app),
         max_countdown=setting("ratelimit_max_countdown", app),
     )
+    if explanation.error:
+        raise CallWouldFail(lines)
+    return lines
+
+
+class CallWouldFail(Exception):
+    """``explain`` of a call that a worker would fail: its lines, and a non-zero exit."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
 
 
 def _safe_url(limiter: Limiter) -> str:
@@ -157,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines = run_explain(app, args.task, args.args, args.kwargs)
         else:
             raise AssertionError(args.command)
+    except CallWouldFail as exc:
+        print("\n".join(exc.lines))
+        return 1
     except RateLimitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -89,7 +89,8 @@ class Plan:
 
         Raises:
             InvalidLimit: a template names a missing argument, a key or cost function
-                returned something unusable, or a cost exceeds its limit.
+                raised or returned something unusable, or a cost exceeds its limit.
+            TypeError: a cost function returned a bool, a float or a non-number.
         """
         if self.fixed is not None:
             return self.fixed
@@ -108,14 +109,16 @@ class Plan:
                 else:
                     keys.append(escape_key(key))
             else:
-                value = key(*args, **kwargs)
+                value = _call_user(key, f"key function of {limit.label}", args, kwargs)
                 if not isinstance(value, str) or not value:
                     raise InvalidLimit(
                         f"key function of {limit.label} returned {value!r}, expected a "
                         "non-empty string"
                     )
                 keys.append(escape_key(value))
-            cost = limit.cost(*args, **kwargs) if callable(limit.cost) else limit.cost
+            cost = limit.cost
+            if callable(cost):
+                cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)
             check_cost(cost, f"cost of {limit.label}")
             if cost > limit.rate.limit:
                 raise InvalidLimit(
@@ -142,6 +145,15 @@ class Plan:
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 arguments = {**arguments.pop(parameter.name, {}), **arguments}
         return arguments
+
+
+def _call_user(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """``function(*args, **kwargs)``; what it raises fails the call as InvalidLimit,
+    naming the function and its error."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        raise InvalidLimit(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def run_signature(cls: Any) -> inspect.Signature | None:

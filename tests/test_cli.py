@@ -166,10 +166,33 @@ def test_explain_resolves_install_rules_and_reports_bad_calls(env: dict[str, str
     assert "decision  allowed now (2 free before this call)" in out
     out = cli("explain", "-A", app, "examples.existing_project.tasks.cleanup", env=env)
     assert "not rate limited" in out
-    out = cli("explain", "-A", APP, f"{APP}.videos_list", "key1", env=env)
-    assert "error     a worker would fail this call" in out
-    result = run(sys.executable, "-m", "celery_ratelimit", "explain", "-A", APP, "nope", env=env)
+    explain = (sys.executable, "-m", "celery_ratelimit", "explain")
+    result = run(*explain, "-A", APP, f"{APP}.videos_list", "key1", env=env)
+    assert result.returncode == 1  # a call a worker would fail
+    assert "error     a worker would fail this call" in result.stdout
+    result = run(*explain, "-A", APP, "nope", env=env)
     assert result.returncode != 0 and f"{APP}.search_list" in result.stderr
+
+
+def test_explain_fails_clearly_without_a_traceback(env: dict[str, str]) -> None:
+    explain = (sys.executable, "-m", "celery_ratelimit", "explain")
+    result = run(*explain, "-A", "nosuchmodule", "t", env=env)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "cannot load the Celery app 'nosuchmodule'" in result.stderr
+    faults = "tests.apps.faults"
+    result = run(*explain, "-A", faults, f"{faults}.cost_raises", "1", env=env)
+    assert result.returncode == 1
+    assert (
+        "a worker would fail this call: cost function of c@5/s raised LookupError: "
+        "no price for this endpoint" in result.stdout
+    )
+    # the same through Celery's own command line
+    result = run(
+        CELERY, "-A", faults, "ratelimit", "explain", f"{faults}.cost_raises", "1", env=env
+    )
+    assert result.returncode == 1 and "raised LookupError" in result.stdout
+    for output in (result.stdout, result.stderr):
+        assert "Traceback" not in output
 
 
 @pytest.mark.celery

@@ -102,9 +102,18 @@ def not_a_string(*_: Any, **__: Any) -> object:
     return None
 
 
+def units_from_a_lookup(*_: Any, **__: Any) -> int:
+    raise LookupError("no price for this endpoint")
+
+
 @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="c", cost=zero), bind=True)
 def zero_cost(self: Any, i: int) -> int:
     record(self, i=i)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="c", cost=units_from_a_lookup))
+def cost_raises(i: int) -> int:
     return i
 
 
