@@ -16,6 +16,9 @@ names the cause and the fix.
 
 from __future__ import annotations
 
+import socket
+from typing import Any
+
 from redis import exceptions as errors
 
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitError
@@ -125,4 +128,30 @@ def version_error(version: str) -> LimiterMisconfigured | None:
     return LimiterMisconfigured(
         f"Redis {version} is too old for the limiter: it needs "
         f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (its scripts call ZMSCORE)"
+    )
+
+
+#: The first byte of every reply a Redis server (RESP2 or RESP3) can send.
+RESP_TYPES = b"+-:$*_,#!=(%~>|"
+
+
+def not_redis_error(connection_kwargs: Any, timeout: float) -> LimiterMisconfigured | None:
+    """After a connection failure: the error to raise if the server at the client's
+    address answers a PING with something that is not Redis's protocol (another
+    service's port). None if it speaks Redis, or cannot be asked."""
+    if not isinstance(connection_kwargs, dict) or "host" not in connection_kwargs:
+        return None
+    address = (connection_kwargs["host"], int(connection_kwargs.get("port") or 6379))
+    try:
+        with socket.create_connection(address, timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            first = sock.recv(16)
+    except OSError:
+        return None
+    if not first or first[:1] in RESP_TYPES:
+        return None
+    return LimiterMisconfigured(
+        f"the limiter's Redis URL does not point at a Redis server: {address[0]}:{address[1]} "
+        f"answered a PING with {first!r}: check the host and port of ratelimit_redis_url"
     )

@@ -11,8 +11,8 @@ import redis
 
 from ._client import HeldConnection, client_from_url
 from ._decision import Decision, make_decision
-from ._exceptions import InvalidLimit
-from ._failures import translate, version_error
+from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
+from ._failures import not_redis_error, translate, version_error
 from ._keys import escape_key, redis_key
 from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
@@ -230,16 +230,23 @@ class Limiter:
             except redis.exceptions.NoPermissionError:
                 info = {}  # a least-privilege user: the scripts' own errors will tell
             for version in _versions(info):
-                error = version_error(version)
-                if error is not None:
-                    raise error
+                too_old = version_error(version)
+                if too_old is not None:
+                    raise too_old
             for script in self._scripts.values():
                 self.client.script_load(script.script)
         except REDIS_ERRORS as exc:
-            raise self.translate(exc, "the limiter's first call") from exc
+            error = self.translate(exc, "the limiter's first call")
+            if isinstance(error, LimiterUnavailable) and isinstance(exc, redis.ConnectionError):
+                # a reset or a garbled reply: is that port another service's?
+                pool = getattr(self.client, "connection_pool", None)
+                kwargs = getattr(pool, "connection_kwargs", None)
+                timeout = (kwargs or {}).get("socket_connect_timeout") or 2.0
+                error = not_redis_error(kwargs, timeout) or error
+            raise error from exc
         self._checked = True
 
-    def translate(self, exc: Exception, doing: str) -> Exception:
+    def translate(self, exc: Exception, doing: str) -> RateLimitError:
         """The library's exception for a redis-py one (see ``_failures``)."""
         kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
         return translate(exc, doing, kwargs.get("username"), self.prefix)

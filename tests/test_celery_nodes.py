@@ -350,7 +350,7 @@ def test_a_deferred_task_is_retry_while_deferred_and_success_after(nodes: Nodes)
 # -- failures that must end the task ---------------------------------------------------
 
 
-def test_a_key_template_naming_a_missing_argument_fails_the_task(nodes: Nodes) -> None:
+def test_a_key_template_naming_a_keyword_the_call_lacks_fails_the_task(nodes: Nodes) -> None:
     result = nodes.send("missing_argument", 1)
     result.get(timeout=20, propagate=False)
     assert result.state == "FAILURE"

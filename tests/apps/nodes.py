@@ -139,7 +139,8 @@ def total(self: Any, values: list[int]) -> int:
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit("5/s", key="t:{missing}"), bind=True)
-def missing_argument(self: Any, i: int) -> int:
+def missing_argument(self: Any, i: int, **options: Any) -> int:
+    """Its key names a keyword that only some calls pass (``missing=...``)."""
     record(self, i=i)
     return i
 
