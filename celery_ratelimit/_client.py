@@ -146,11 +146,10 @@ class HeldConnection:
 
     A command through ``redis.Redis`` takes a connection from the pool and gives it back
     each time (a poll of the socket for stray data, the pool's lock, redis-py 8's
-    observability records): about 30 us of CPU per call more than sending on a held
-    connection, 2% of a rate-limited task's CPU (see docs/benchmarks.md). This keeps one
-    connection and uses only its public methods (``connect``, ``send_command``,
-    ``read_response``, ``disconnect``) under the connection's own retry policy (the
-    client's ``retry``: one retry on a connection that a Redis restart closed).
+    observability records): that costs more CPU than the rest of a decision in Python.
+    This keeps one connection and uses only its public methods (``connect``,
+    ``send_command``, ``read_response``, ``disconnect``) under the connection's own retry
+    policy (the client's ``retry``: one retry on a connection that a Redis restart closed).
 
     One caller at a time: a thread that finds it busy (``-P threads``, gevent) sends
     through the client as usual. Only for a plain ``redis.Redis`` on a non-blocking pool

@@ -14,6 +14,7 @@ worker's clock.
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import os
 import signal
@@ -160,6 +161,9 @@ class Nodes:
 
     def stop(self) -> None:
         """Stop every node: SIGTERM, a short grace, then SIGKILL to each process group."""
+        # results still referenced by a cycle unsubscribe when collected: let them do
+        # it now, while the backend's redis-server is still up
+        gc.collect()
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -209,6 +213,9 @@ class Nodes:
             app = Celery("producer", broker=self.broker_url, backend=self.backend_url or None)
             app.conf.task_default_queue = self.queue
             app.conf.broker_connection_retry_on_startup = True
+            # a result collected after the test stopped the backend's redis-server must
+            # not retry reconnecting for a minute (AsyncResult.__del__ unsubscribes)
+            app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 0}}
             self._client = app
         return self._client
 

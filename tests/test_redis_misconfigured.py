@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from celery_ratelimit import Limiter, LimiterMisconfigured
+from celery_ratelimit._failures import version_error
 from tests.fault_nodes import Fleet, unique_prefix
 from tests.nodes import rabbitmq_reachable
 from tests.redis_server import RedisServer, free_port
@@ -161,3 +163,27 @@ def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
         raise
     finally:
         fleet.stop()
+
+
+def test_a_server_without_zmscore_is_told_to_upgrade() -> None:
+    """What Redis 6.0 answers (no ZMSCORE), from a 7.x server with the command renamed
+    away: LimiterMisconfigured naming the version needed, not a deferral forever."""
+    server = RedisServer("--rename-command", "ZMSCORE", '""')
+    try:
+        limiter = Limiter.from_url(server.url)
+        with pytest.raises(LimiterMisconfigured, match=r"lacks a command .* Redis 6\.2 or newer"):
+            limiter.acquire("k", "10/s")
+        limiter.client.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("version", "too_old"),
+    [("6.0.20", True), ("5.0.14", True), ("6.2.0", False), ("7.0.15", False), ("8.2.1", False)],
+)
+def test_the_version_check_reads_info_as_redis_writes_it(version: str, too_old: bool) -> None:
+    error = version_error(version)
+    assert (error is not None) == too_old
+    if error is not None:
+        assert version in str(error) and "6.2 or newer" in str(error)
