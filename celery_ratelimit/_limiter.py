@@ -227,8 +227,10 @@ class Limiter:
         try:
             try:
                 info = self.client.info("server")
-            except redis.exceptions.NoPermissionError:
-                info = {}  # a least-privilege user: the scripts' own errors will tell
+            except redis.ResponseError:
+                # a least-privilege user, or a service that renamed INFO: the scripts'
+                # own errors will tell a server too old
+                info = {}
             for version in _versions(info):
                 too_old = version_error(version)
                 if too_old is not None:
