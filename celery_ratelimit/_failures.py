@@ -155,3 +155,16 @@ def not_redis_error(connection_kwargs: Any, timeout: float) -> LimiterMisconfigu
         f"the limiter's Redis URL does not point at a Redis server: {address[0]}:{address[1]} "
         f"answered a PING with {first!r}: check the host and port of ratelimit_redis_url"
     )
+
+
+def redis_versions(info: Any) -> list[str]:
+    """``redis_version`` from ``INFO server``: one server's, or each Cluster node's."""
+    if not isinstance(info, dict):
+        return []
+    if "redis_version" in info:
+        return [str(info["redis_version"])]
+    return [
+        str(v["redis_version"])
+        for v in info.values()
+        if isinstance(v, dict) and "redis_version" in v
+    ]

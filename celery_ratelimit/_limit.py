@@ -196,17 +196,7 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
         InvalidLimit: an empty list, or limits of different algorithms in one list.
         TypeError: an item that is none of the above.
     """
-    if type(spec) is tuple or type(spec) is list:
-        # the common case, on every direct acquire(): Limits of one algorithm (a plain
-        # loop: generators would cost a decision ~1 us)
-        algorithm = spec[0].algorithm if spec and type(spec[0]) is Limit else None
-        for item in spec:
-            if type(item) is not Limit or item.algorithm != algorithm:
-                break
-        else:
-            if algorithm is not None:
-                return spec if type(spec) is tuple else tuple(spec)
-    if type(spec) is str:
+    if isinstance(spec, str):
         # a rate string, as in acquire("k", "100/m"): parsed once (a Limit is immutable)
         parsed = _PARSED.get(spec)
         if parsed is None:
@@ -215,7 +205,7 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
                 _PARSED.clear()
             _PARSED[spec] = parsed
         return parsed
-    if isinstance(spec, (str, Rate)):
+    if isinstance(spec, Rate):
         items: Sequence[object] = [Limit(spec)]
     elif isinstance(spec, Limit):
         items = [spec]

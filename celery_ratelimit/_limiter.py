@@ -10,9 +10,9 @@ from typing import Any
 import redis
 
 from ._client import HeldConnection, client_from_url
-from ._decision import Decision, make_decision
+from ._decision import TOKEN_BYTES, Decision, token_bytes_of
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
-from ._failures import not_redis_error, translate, version_error
+from ._failures import not_redis_error, redis_versions, translate, version_error
 from ._keys import escape_key, redis_key
 from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
@@ -32,45 +32,12 @@ DEFAULT_CONNECT_TIMEOUT = 2.0
 DEFAULT_HORIZON = 3600.0
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
-#: A reservation token: this many random bytes, written as hex by the limiter.
-TOKEN_BYTES = 8
 #: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
 #: What a redis-py client raises (its Cluster client's own errors are no RedisError).
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
-
-
-def _versions(info: Any) -> list[str]:
-    """``redis_version`` from ``INFO server``: one server's, or each Cluster node's."""
-    if not isinstance(info, dict):
-        return []
-    if "redis_version" in info:
-        return [str(info["redis_version"])]
-    return [
-        str(v["redis_version"])
-        for v in info.values()
-        if isinstance(v, dict) and "redis_version" in v
-    ]
-
-
-def token_bytes_of(token: object) -> bytes:
-    """The bytes of a reservation token as :meth:`Limiter.acquire` wrote it (16 hex
-    digits).
-
-    Raises:
-        InvalidLimit: anything else, which no reservation could be found by.
-    """
-    if isinstance(token, str) and len(token) == 2 * TOKEN_BYTES:
-        try:
-            return bytes.fromhex(token)
-        except ValueError:
-            pass
-    raise InvalidLimit(
-        f"not a reservation token: {token!r} (a token is the Decision.token that "
-        f"acquire(..., reserve=True) returned: {2 * TOKEN_BYTES} hex digits)"
-    )
 
 
 class Limiter:
@@ -231,7 +198,7 @@ class Limiter:
                 # a least-privilege user, or a service that renamed INFO: the scripts'
                 # own errors will tell a server too old
                 info = {}
-            for version in _versions(info):
+            for version in redis_versions(info):
                 too_old = version_error(version)
                 if too_old is not None:
                     raise too_old
@@ -486,20 +453,24 @@ class Limiter:
             raise self.translate(exc, "a rate-limit decision") from exc
         if len(reply) == 3:  # allowed now by its one limit: the script's short reply
             remaining, reset_us, at_us = reply
-            return make_decision(
-                True, remaining, 0.0, reset_us / 1_000_000, None, False, None, at_us / 1_000_000
+            return Decision(
+                allowed=True,
+                remaining=remaining,
+                retry_after=0.0,
+                reset_after=reset_us / 1_000_000,
+                at=at_us / 1_000_000,
             )
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             return None
         reserved = status in (RESERVED, NOT_YET_DUE)
-        return make_decision(
-            status in (ALLOWED, STARTS_AT),
-            remaining,
-            retry_us / 1_000_000,
-            reset_us / 1_000_000,
-            limits[denied_by - 1] if denied_by else None,
-            reserved,
-            token_bytes.hex() if reserved else None,
-            at_us / 1_000_000,
+        return Decision(
+            allowed=status in (ALLOWED, STARTS_AT),
+            remaining=remaining,
+            retry_after=retry_us / 1_000_000,
+            reset_after=reset_us / 1_000_000,
+            limit=limits[denied_by - 1] if denied_by else None,
+            reserved=reserved,
+            token=token_bytes.hex() if reserved else None,
+            at=at_us / 1_000_000,
         )

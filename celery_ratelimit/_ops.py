@@ -390,7 +390,7 @@ def explain(
         KeyError: no such task (the message lists the rate-limited ones).
         LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
     """
-    from ._task import plan_for
+    from ._plan import plan_for
 
     tasks = app_tasks(app)
     task = tasks.get(task_name)

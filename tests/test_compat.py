@@ -14,7 +14,7 @@ from celery import Celery, shared_task
 from celery.worker.request import Request
 
 from celery_ratelimit import Limit, _compat, ratelimit
-from celery_ratelimit._task import plan_for
+from celery_ratelimit._plan import plan_for
 
 
 def test_every_private_path_is_found_on_this_celery() -> None:

@@ -69,22 +69,3 @@ def test_decision_is_frozen_and_truthy_when_allowed() -> None:
         "reset_after",
         "limit",
     }
-
-
-def test_the_limiters_decisions_are_the_dataclass_built_field_by_field() -> None:
-    """make_decision sets the slots directly (a quicker __init__): same fields, equal,
-    hashable and frozen."""
-    import dataclasses
-
-    import pytest
-
-    from celery_ratelimit import Decision, Limit
-    from celery_ratelimit._decision import make_decision
-
-    values = (False, 0, 0.25, 1.0, Limit("10/s"), True, "00ff", 1_700_000_000.5)
-    made = make_decision(*values)
-    assert type(made) is Decision and made == Decision(*values)
-    assert tuple(getattr(made, f.name) for f in dataclasses.fields(made)) == values
-    assert hash(made) == hash(Decision(*values))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        made.token = None  # type: ignore[misc]

@@ -25,8 +25,9 @@ from celery_ratelimit import (
 )
 from celery_ratelimit._decision import Decision
 from celery_ratelimit._install import Rules
+from celery_ratelimit._plan import plan_for
 from celery_ratelimit._settings import DEFAULTS, setting
-from celery_ratelimit._task import DECISION_ATTR, enforce, plan_for
+from celery_ratelimit._task import DECISION_ATTR, enforce
 
 
 @pytest.fixture

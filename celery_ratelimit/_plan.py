@@ -1,0 +1,172 @@
+"""Plan: what a rate-limited task's limits need per call, worked out once per task class.
+
+A call's keys come from the limits' templates formatted with the call's arguments bound
+to the task's signature (or from key functions), its costs from ints or cost functions.
+Templates are checked against the signature when the task is declared: a field that no
+call can have is refused then, not at every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._exceptions import InvalidLimit
+from ._keys import escape_key, render
+from ._limit import Limit, check_cost, to_limits
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a task's limits need per call, worked out once per task class."""
+
+    limits: tuple[Limit, ...]
+    signature: inspect.Signature | None
+    task_name: str
+    #: keys and costs when no limit depends on the call's arguments (worked out once)
+    fixed: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+
+    def resolve(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Escaped keys and costs for this call.
+
+        Raises:
+            InvalidLimit: a template names a missing argument, a key or cost function
+                raised or returned something unusable, or a cost exceeds its limit.
+            TypeError: a cost function returned a bool, a float or a non-number.
+        """
+        if self.fixed is not None:
+            return self.fixed
+        arguments: Mapping[str, Any] | None = None
+        keys: list[str] = []
+        costs: list[int] = []
+        for limit in self.limits:
+            key = limit.key
+            if key is None:
+                keys.append(escape_key(self.task_name))
+            elif isinstance(key, str):
+                if limit.fields:
+                    if arguments is None:
+                        arguments = self._bind(args, kwargs)
+                    keys.append(render(key, arguments, args))
+                else:
+                    keys.append(escape_key(key))
+            else:
+                value = _call_user(key, f"key function of {limit.label}", args, kwargs)
+                if not isinstance(value, str) or not value:
+                    raise InvalidLimit(
+                        f"key function of {limit.label} returned {value!r}, expected a "
+                        "non-empty string"
+                    )
+                keys.append(escape_key(value))
+            cost = limit.cost
+            if callable(cost):
+                cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)
+            check_cost(cost, f"cost of {limit.label}")
+            if cost > limit.rate.limit:
+                raise InvalidLimit(
+                    f"cost {cost} of {self.task_name} is greater than the limit "
+                    f"{limit.label}: it could never run"
+                )
+            costs.append(cost)
+        return tuple(keys), tuple(costs)
+
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The call's arguments by name, defaults applied; a ``**kwargs`` parameter's
+        keywords are named as they were passed (``{b}`` of ``t.delay(b=1)``)."""
+        if self.signature is None:
+            return dict(kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidLimit(
+                f"cannot bind the arguments of {self.task_name} to build its rate-limit key: {exc}"
+            ) from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for parameter in self.signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments = {**arguments.pop(parameter.name, {}), **arguments}
+        return arguments
+
+
+def _call_user(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """``function(*args, **kwargs)``; what it raises fails the call as InvalidLimit,
+    naming the function and its error."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        raise InvalidLimit(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def run_signature(cls: Any) -> inspect.Signature | None:
+    """The signature a call of task class ``cls`` binds to (``self`` left out)."""
+    run = inspect.getattr_static(cls, "run", None)
+    try:
+        if isinstance(run, staticmethod):
+            return inspect.signature(run.__func__)
+        signature = inspect.signature(run)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def check_key_fields(cls: Any, limits: tuple[Limit, ...]) -> None:
+    """Refuse, when the task is declared, a key template naming an argument that no
+    call of the task can have.
+
+    Raises:
+        InvalidLimit: naming the template, the field and the task's signature.
+    """
+    signature = run_signature(cls)
+    if signature is None:
+        return
+    kinds = [parameter.kind for parameter in signature.parameters.values()]
+    names = {
+        parameter.name
+        for parameter in signature.parameters.values()
+        if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    positions = sum(
+        kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for kind in kinds
+    )
+    for limit in limits:
+        for field in limit.fields:
+            if field.isdigit():
+                possible = inspect.Parameter.VAR_POSITIONAL in kinds or int(field) < positions
+            else:
+                possible = field in names or inspect.Parameter.VAR_KEYWORD in kinds
+            if not possible:
+                name = getattr(cls, "name", None) or cls.__name__
+                raise InvalidLimit(
+                    f"key template {limit.key!r} of task {name} names argument {{{field}}}, "
+                    f"which no call of it can have: its signature is {signature}"
+                )
+
+
+def plan_for(task: Any) -> Plan | None:
+    """The task's Plan, or None if it has no ``ratelimit`` (or is a ``celery.*`` task)."""
+    cls = type(task)
+    spec = getattr(task, "ratelimit", None)
+    cached = cls.__dict__.get("_ratelimit_plan")
+    if cached is not None and cached[0] is spec:
+        return cached[1]  # type: ignore[no-any-return]
+    plan = None
+    name = task.name or cls.__name__
+    if spec is not None and not name.startswith("celery."):
+        try:
+            signature: inspect.Signature | None = inspect.signature(task.run)
+        except (TypeError, ValueError):
+            signature = None
+        plan = Plan(to_limits(spec, f"ratelimit of task {name}"), signature, name)
+        if not any(
+            limit.fields or callable(limit.key) or callable(limit.cost) for limit in plan.limits
+        ):
+            plan = dataclasses.replace(plan, fixed=plan.resolve((), {}))
+    cls._ratelimit_plan = (spec, plan)
+    return plan
