@@ -25,7 +25,7 @@ from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
 from ._limit import Limit
-from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, Limiter
+from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._plan import Plan
 from ._settings import limiter_for, setting
@@ -47,6 +47,9 @@ DECISION_ATTR = "ratelimit_decision"
 #: tasks at 20/s, three nodes, RabbitMQ): 100 ms left 1.95-2.5 calls per task, 40 ms
 #: 2.6, 200 ms 1.95 in three of three runs (no task deferred twice).
 MAX_IN_PROCESS_WAIT = 0.2
+#: A grant read too late to start on (see ``Check.start``) is restamped at most this
+#: many times in a row; then the task is published again, for a less busy moment.
+MAX_RESTAMPS = 5
 #: A deferred copy is due this long after its slot: clock offsets are measured to
 #: about a millisecond, and a copy arriving a hair early would cost a wait and a
 #: second confirmation, one arriving a hair late costs nothing.
@@ -94,13 +97,19 @@ class Check:
         )
         self.first_mode = RESERVE if reserve else ACQUIRE
         self.mode = self.first_mode
+        self.tolerance = start_tolerance(plan.limits, self.guard)
+        self.sent = 0.0  # time.monotonic() when the last decision was asked for
+        self.restamps = 0
 
     def setting(self, name: str) -> Any:
         return setting(name, self.task.app, self.task, self.request)
 
-    def decide(self, token: str | None) -> Decision:
-        """One limiter call: confirm the reservation ``token``, else acquire."""
-        self.mode = CONFIRM if token else self.first_mode
+    def decide(self, token: str | None, restamp: bool = False) -> Decision:
+        """One limiter call: confirm the reservation ``token``, else acquire; or, with
+        ``restamp``, start the grant ``token`` anew (see :meth:`start`)."""
+        self.mode = RESTAMP if restamp else CONFIRM if token else self.first_mode
+        self.restamps = self.restamps + 1 if restamp else 0
+        self.sent = time.monotonic()
         sent = time.time()
         decision = self.limiter._call(
             self.keys,
@@ -119,15 +128,32 @@ class Check:
             self.metrics.decision(self.plan.limits, decision, elapsed, decision.allowed, self.mode)
         return decision
 
-    def start(self, decision: Decision) -> None:
-        """Let the body run, after the in-process wait the limiter counted (if any)."""
+    def start(self, decision: Decision) -> float:
+        """Let the body run, after the in-process wait the limiter counted (if any):
+        returns 0.0; or, if the body would start too late for its grant, how late.
+
+        The limiter counted this call at one instant (``decision.at``); the body starts
+        when this process gets to it. That is moments later, unless the reply was read
+        late (a busy gevent or eventlet hub, a descheduled process) or the wait ended
+        late: then bodies granted in one window could start in the next one, together
+        with that window's own. Its grant is then stale, and restamped (see
+        ``lua/sliding_log.lua``, mode 5) at the instant it really starts. Up to half
+        the guard of lateness is absorbed by the windows' slack instead. The bound
+        needs no clock but this process's: Redis decided after ``self.sent``.
+        """
         if decision.retry_after > 0:
             # Its start is moments away and already counted for that instant (the
             # limiter's hold): wait here rather than publish a copy and confirm.
-            if self.metrics is not None and self.mode != CONFIRM:
+            if self.metrics is not None and self.mode not in (CONFIRM, RESTAMP):
                 self.metrics.held(self.plan.limits)
             time.sleep(decision.retry_after)
+        late = time.monotonic() - self.sent - decision.retry_after
+        if late > self.tolerance and decision.token is not None:
+            if self.metrics is not None:
+                self.metrics.late_start(self.plan.limits)
+            return late
         setattr(self.request, DECISION_ATTR, decision)
+        return 0.0
 
     def report_misconfigured(self, exc: LimiterMisconfigured) -> None:
         if self.metrics is not None:
@@ -301,6 +327,16 @@ def _process_settings(task: Any) -> _ProcessSettings:
     )
     cls._ratelimit_settings = resolved
     return resolved
+
+
+def start_tolerance(limits: tuple[Limit, ...], guard: float) -> float:
+    """How late (seconds) a body may start after its grant without a restamp: half the
+    slack ``guard`` adds to the tightest window (``lua/sliding_log.lua``: starts are
+    checked in windows that much wider than the limit's). With no guard, or with the
+    counter (which keeps no entry to move), starts are not checked: ``inf``."""
+    if guard <= 0 or limits[0].algorithm != "log":
+        return float("inf")
+    return min(min(guard, limit.rate.window_us / 25_000_000) for limit in limits) / 2
 
 
 def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:

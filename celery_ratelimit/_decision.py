@@ -25,7 +25,9 @@ class Decision:
         limit: the limit that set ``retry_after`` when denied, else ``None``.
         reserved: a future slot was reserved for this call (``allowed`` is False; run it
             ``retry_after`` seconds from now and confirm with ``token``).
-        token: the reservation token (hex), when ``reserved``.
+        token: the call's token (hex): the reservation to confirm when ``reserved``;
+            when ``allowed`` (``"log"`` algorithm), the name of the call's entry in the
+            log. ``None`` when denied.
         at: the Redis server time of the decision, or of the reserved slot, in seconds
             since the epoch.
     """

@@ -18,7 +18,7 @@ from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
 from ._scripts import source
 
 #: Script modes (the first of the packed numbers, ARGV[2]); see the header of lua/sliding_log.lua.
-ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE = 0, 1, 2, 3, 4
+ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP = 0, 1, 2, 3, 4, 5
 #: Reply statuses.
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
 
@@ -451,6 +451,8 @@ class Limiter:
                 reply = script(keys=every, args=[token_bytes, numbers])
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
+        # the log's entries are named by their token; the counter keeps no entries
+        logged = limits[0].algorithm == "log"
         if len(reply) == 3:  # allowed now by its one limit: the script's short reply
             remaining, reset_us, at_us = reply
             return Decision(
@@ -458,19 +460,21 @@ class Limiter:
                 remaining=remaining,
                 retry_after=0.0,
                 reset_after=reset_us / 1_000_000,
+                token=token_bytes.hex() if logged else None,
                 at=at_us / 1_000_000,
             )
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             return None
         reserved = status in (RESERVED, NOT_YET_DUE)
+        allowed = status in (ALLOWED, STARTS_AT)
         return Decision(
-            allowed=status in (ALLOWED, STARTS_AT),
+            allowed=allowed,
             remaining=remaining,
             retry_after=retry_us / 1_000_000,
             reset_after=reset_us / 1_000_000,
             limit=limits[denied_by - 1] if denied_by else None,
             reserved=reserved,
-            token=token_bytes.hex() if reserved else None,
+            token=token_bytes.hex() if reserved or (allowed and logged) else None,
             at=at_us / 1_000_000,
         )

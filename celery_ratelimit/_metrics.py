@@ -36,7 +36,7 @@ from celery import signals
 
 from ._decision import Decision
 from ._limit import Limit
-from ._limiter import CONFIRM
+from ._limiter import CONFIRM, RESTAMP
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -69,6 +69,11 @@ class Metrics:
         self.deferred = counter(
             "celery_ratelimit_deferred", "Tasks published again for later.", ["limit"]
         )
+        self.late_starts = counter(
+            "celery_ratelimit_late_starts",
+            "Grants read too late to start on, and checked again (restamped).",
+            ["limit"],
+        )
         self.redis_errors = counter(
             "celery_ratelimit_redis_errors", "Decisions that failed on Redis.", ["limit"]
         )
@@ -93,6 +98,8 @@ class Metrics:
         pending; a held one not yet due is no denial.
         """
         self.latency.observe(seconds)
+        if mode == RESTAMP:
+            return  # the same call again: counted by its first decision (and late_start)
         confirmed = mode == CONFIRM
         if runs:
             for limit in limits:
@@ -116,6 +123,10 @@ class Metrics:
         if reserved:
             for limit in limits:
                 self.reservations.labels(limit.label).inc()
+
+    def late_start(self, limits: Iterable[Limit]) -> None:
+        for limit in limits:
+            self.late_starts.labels(limit.label).inc()
 
     def redis_error(self, limits: Iterable[Limit]) -> None:
         for limit in limits:

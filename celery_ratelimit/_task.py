@@ -28,6 +28,7 @@ from celery import Task, signals
 from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
+    MAX_RESTAMPS,
     RETRIES_HEADER,
     TOKEN_HEADER,
     Check,
@@ -65,9 +66,10 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
         return
     check = Check(task, plan, tuple(args), kwargs)
     token = _token_header(task, request)
+    restamp = False
     while True:
         try:
-            decision = check.decide(token)
+            decision = check.decide(token, restamp)
         except LimiterMisconfigured as exc:
             check.report_misconfigured(exc)
             raise
@@ -75,11 +77,25 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             countdown = check.on_unavailable(exc)  # raises under the policy "raise"
             if countdown is None:  # "allow"
                 return
-            token = check.defer(countdown, None, f"Redis error: {exc}")
+            token, restamp = check.defer(countdown, None, f"Redis error: {exc}"), False
             continue
         if decision.allowed:
-            check.start(decision)
-            return
+            late = check.start(decision)
+            if not late:
+                return
+            # read too late to start on: start it anew where it really starts, or, after
+            # MAX_RESTAMPS of those in a row, publish it again for a calmer moment
+            restamp = check.restamps < MAX_RESTAMPS
+            token = decision.token
+            if not restamp:
+                token = check.defer(
+                    min(late, check.max_countdown),
+                    None,
+                    f"its grant was read {late * 1000:.0f} ms late {MAX_RESTAMPS + 1} times "
+                    "in a row (this worker is too busy to start it on time)",
+                )
+            continue
+        restamp = False
         limit = decision.limit
         token = check.defer(
             min(decision.retry_after, check.max_countdown),

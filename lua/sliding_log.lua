@@ -24,6 +24,8 @@
 --                 2 peek: decide as mode 0 but write nothing
 --                 3 start the task that holds the reservation ARGV[1] (see below)
 --                 4 release the reservation held by ARGV[1] (if still in the future)
+--                 5 restamp: the task granted as ARGV[1] starts only now (its grant's
+--                   reply was read late): start it as mode 3 starts a late task
 --   2       horizon, microseconds: no reservation is made further ahead than this
 --   3       guard, microseconds: every window W is placed as W + g, g = min(guard,
 --           W / 25), while a confirmed reservation starts as soon as its cost fits
@@ -69,6 +71,12 @@
 -- A late task thus never bunches with the next ones, and a reservation lost to a
 -- restart or to lateness longer than the window still starts as soon as it fits,
 -- instead of going to the back of the queue, so an overloaded pool keeps draining.
+--
+-- Restamping a late grant (mode 5). A grant is an entry at the instant Redis decided;
+-- a worker that reads the reply late (a busy gevent hub, a descheduled process) would
+-- start the body later than its entry says and could bunch it with the next window's
+-- starts. It sends mode 5 instead: its entry (wherever it is, or a new one if it has
+-- left the log) is started from t0 = now exactly as a late reservation is above.
 
 local ENTRY_FLOOR = 1e13
 local TOKEN_LEN = 8
@@ -282,18 +290,21 @@ if mode == 4 then
   return summary(4, now, 0, 0)
 end
 
-if mode == 3 then
-  local slot = redis.call('ZSCORE', KEYS[n + 1], ks[1].member)
-  slot = slot and tonumber(slot)
-  if slot and slot - now > hold then
-    flush()
-    return summary(3, slot, slot - now, 0)
-  end
-  if not slot and redis.call('ZSCORE', ks[1].key, ks[1].member) then
-    -- a task already started (or holds its start) on this reservation: this is a
-    -- second execution (a message delivered again), which needs budget of its own
-    flush()
-    return summary(5, now, 0, 0)
+if mode == 3 or mode == 5 then
+  local slot = nil
+  if mode == 3 then
+    slot = redis.call('ZSCORE', KEYS[n + 1], ks[1].member)
+    slot = slot and tonumber(slot)
+    if slot and slot - now > hold then
+      flush()
+      return summary(3, slot, slot - now, 0)
+    end
+    if not slot and redis.call('ZSCORE', ks[1].key, ks[1].member) then
+      -- a task already started (or holds its start) on this reservation: this is a
+      -- second execution (a message delivered again), which needs budget of its own
+      flush()
+      return summary(5, now, 0, 0)
+    end
   end
   -- Due, late, lost or within `hold`: count what really started around t0.
   local t0 = (slot and slot > now) and slot or now

@@ -88,6 +88,8 @@ class Nodes:
     reserve: bool = True
     queue: str = "celery"
     count: int = 3
+    #: the worker pool (``-P``) and its concurrency (``-c``)
+    pool: str = "prefork"
     concurrency: int = 2
     #: more environment variables for the nodes (``CELERY_RATELIMIT_PUBLIC_ONLY``)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -124,7 +126,7 @@ class Nodes:
             log = self.logdir / f"node{k}.log"
             cmd = [
                 sys.executable, "-m", "celery", "-A", APP, "worker",
-                "-P", "prefork", "-c", str(self.concurrency),
+                "-P", self.pool, "-c", str(self.concurrency),
                 "-n", f"node{k}-{self.prefix}@%h", "-Q", self.queue,
                 "--without-gossip", "--without-mingle", "--without-heartbeat",
                 "-l", "INFO",

@@ -1,12 +1,11 @@
 """Three real ``celery worker`` nodes sharing one budget in a real redis-server.
 
-Every task of ``tests.apps.nodes`` records, inside its body, the Redis ``TIME`` at
-which it ran and the slot the limiter granted it (``granted``: Redis server time chosen
-atomically by the script). The tests hold the grants to the limit strictly, hold every
-body to "never before its slot", and hold body times to the limit over windows
-shortened by a stated jitter allowance (a body runs a few ms after its slot, and slots
-come in bursts, so a strict count over *body* times can see a burst of the next window
-arrive before the last of the previous one).
+Every task of ``tests.apps.nodes`` records, first thing in its body, the instant it
+started (``started``: the machine's clock, which is the limiter's redis-server's
+clock too) and the slot the limiter granted it (``granted``: Redis server time chosen
+atomically by the script). The tests hold grants *and* starts to the limit in every
+window, strictly, and every start to "never before its slot": a start is what an
+upstream API sees.
 
 Run with ``-s`` (or ``-rP``) to see the measured figures.
 """
@@ -15,10 +14,12 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,6 @@ from tests.nodes import (
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
 RATE = "10/s"
-#: Body-time windows are shortened by this much (see the module docstring). A body
-#: runs 2-20 ms after its slot on a quiet machine; under load (other test suites on
-#: the same 2 cores) lateness of 150 ms has been seen. If every body runs within J of
-#: its grant, the grants bound every body window of W - J, so J is a lateness bound.
-JITTER_US = 250_000
 DEFERRED = re.compile(r"ratelimit: deferred (\S+)\[([0-9a-f-]+)\]")
 
 
@@ -118,15 +114,13 @@ def check_backlog(
     runs: list[dict[str, Any]],
     rate: str,
     label: str,
-    *,
-    jitter_us: int = JITTER_US,
 ) -> dict[str, Any]:
     """Assert what must hold for a drained backlog and return the measured figures.
 
     - every task ran exactly once;
-    - no window of the rate holds more grants than the limit (strict);
-    - no body ran before its granted slot;
-    - no window of ``W - jitter`` holds more body executions than the limit;
+    - no window of the rate holds more grants than the limit;
+    - no body started before its granted slot;
+    - no window of the rate holds more body starts than the limit;
     - deferrals consumed no retries, and the header's deferral count equals the
       number of deferrals the nodes logged for that task.
     """
@@ -140,30 +134,26 @@ def check_backlog(
         f"{label}: ran more than once: {[i for i, n in counted.items() if n > 1]}"
     )
     grants = [r["granted"] for r in runs]
-    bodies = [r["t"] for r in runs]
+    starts = [r["started"] for r in runs]
     assert None not in grants, f"{label}: a task ran without a grant"
     max_grants = max_in_window(grants, window)
     assert max_grants <= limit, f"{label}: {max_grants} grants in one window of {rate}"
-    early = [r for r in runs if r["t"] < r["granted"]]
-    assert not early, f"{label}: {len(early)} bodies ran before their slot: {early[:3]}"
-    max_bodies = max_in_window(bodies, window - jitter_us)
-    assert max_bodies <= limit, (
-        f"{label}: {max_bodies} executions within {(window - jitter_us) / 1000:.0f} ms"
-    )
-    max_bodies_strict = max_in_window(bodies, window)
+    early = [r for r in runs if r["started"] < r["granted"]]
+    assert not early, f"{label}: {len(early)} bodies started before their slot: {early[:3]}"
+    max_starts = max_in_window(starts, window)
+    assert max_starts <= limit, f"{label}: {max_starts} starts in one window of {rate}"
     assert all(r["retries"] == 0 for r in runs), f"{label}: a deferral consumed a retry"
     logged = deferrals_logged(nodes)
     mismatched = [r for r in runs if r["deferrals"] != logged.get(r["id"], 0)]
     assert not mismatched, f"{label}: header deferral count != logged deferrals: {mismatched[:3]}"
-    lateness_ms = [(r["t"] - r["granted"]) / 1000 for r in runs]
+    lateness_ms = [(r["started"] - r["granted"]) / 1000 for r in runs]
     drain_us = max(grants) - min(grants)
     ideal_us = ideal_drain_us(len(ids), limit, window)
     figures = {
         "tasks": len(ids),
         "rate": rate,
         "max_grants_in_window": max_grants,
-        "max_bodies_in_window": max_bodies_strict,
-        f"max_bodies_in_{(window - jitter_us) // 1000}ms": max_bodies,
+        "max_starts_in_window": max_starts,
         "drain_s": drain_us / 1e6,
         "ideal_s": ideal_us / 1e6,
         "drain_ratio": drain_us / ideal_us if ideal_us else float("nan"),
@@ -197,9 +187,47 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     # calls per task, the drain's pace and deferrals per task move with the machine's
     # load: the benchmark measures them (rows 6 and 7); here they are printed
     print(f"[redis broker, {form}] limiter calls {calls} = {calls / len(runs):.2f} per task")
-    assert figures["max_grants_in_window"] == 10  # the budget was used, not just respected
-    # the backlog was 6x the limit: most tasks waited for their slot
-    assert figures["deferred_tasks"] >= 40
+    assert figures["deferred_tasks"] > 0  # the limit deferred tasks, not only counted them
+
+
+@contextmanager
+def busy_core() -> Iterator[None]:
+    """Another process spinning on one core for the duration (a busy machine)."""
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency", "busy"),
+    [
+        ("prefork", 2, True),
+        ("threads", 30, False),
+        ("solo", 1, False),
+        ("gevent", 50, False),
+        ("gevent", 50, True),
+        ("eventlet", 50, False),
+        ("eventlet", 50, True),
+    ],
+    ids=lambda v: "busy" if v is True else "idle" if v is False else str(v),
+)
+def test_every_pool_starts_bodies_within_the_shared_limit(
+    start_nodes: Callable[..., Nodes], pool: str, concurrency: int, busy: bool
+) -> None:
+    """What an upstream sees is when bodies start: on every pool, and with one core
+    kept busy by another process, no window holds more starts than the limit, even
+    where a grant's reply is read late (a green pool's hub busy with other tasks)."""
+    nodes = start_nodes(rate=RATE, pool=pool, concurrency=concurrency)
+    with busy_core() if busy else nullcontext():
+        ids, runs = drain(nodes, "via_decorator", 60, timeout=60)
+    label = f"{pool} -c {concurrency}{' with a busy core' if busy else ''}"
+    figures = check_backlog(nodes, ids, runs, RATE, label)
+    assert figures["deferred_tasks"] > 0
 
 
 @pytest.mark.parametrize("form", ["via_decorator", "shared_decorated"])
@@ -261,9 +289,13 @@ def test_weighted_costs_and_a_stacked_cap_both_hold(nodes: Nodes) -> None:
     runs = nodes.wait_for_runs(ids, 40)
     assert Counter(r["id"] for r in runs) == Counter(ids)
     grants = [r["granted"] for r in runs]
-    quota = max_in_window(grants, QUOTA.rate.window_us, [r["units"] for r in runs])
+    starts = [r["started"] for r in runs]
+    units_each = [r["units"] for r in runs]
+    quota = max_in_window(grants, QUOTA.rate.window_us, units_each)
     calls = max_in_window(grants, CAP.rate.window_us)
-    early = [r for r in runs if r["t"] < r["granted"]]
+    quota_started = max_in_window(starts, QUOTA.rate.window_us, units_each)
+    calls_started = max_in_window(starts, CAP.rate.window_us)
+    early = [r for r in runs if r["started"] < r["granted"]]
     drain_s = (max(grants) - min(grants)) / 1e6
     # the tighter of the two limits sets the ideal: 123 units at 40 per 2 s, 18 calls at 3/s
     print(
@@ -271,8 +303,8 @@ def test_weighted_costs_and_a_stacked_cap_both_hold(nodes: Nodes) -> None:
         f"= {quota} (limit 40), max calls in 1 s = {calls} (limit 3), drain {drain_s:.2f}s, "
         f"deferred {sum(1 for r in runs if r['deferrals'])}"
     )
-    assert quota <= QUOTA.rate.limit
-    assert calls <= CAP.rate.limit
+    assert quota <= QUOTA.rate.limit and quota_started <= QUOTA.rate.limit
+    assert calls <= CAP.rate.limit and calls_started <= CAP.rate.limit
     assert not early
     assert all(r["retries"] == 0 for r in runs)
     # the backlog pressed on both: the cap was reached, and the quota nearly so
@@ -302,6 +334,7 @@ def test_chains_groups_and_chords_with_deferred_members_complete(nodes: Nodes) -
     }
     deferred = {part: sum(1 for r in rs if r["deferrals"]) for part, rs in members.items()}
     most = max_in_window(grants, MATH.rate.window_us)
+    most_started = max_in_window([r["started"] for r in runs], MATH.rate.window_us)
     print(
         f"\n[canvas] {len(runs)} executions at {MATH.rate}; deferred per part {deferred}; "
         f"max grants in 1 s = {most}"
@@ -314,8 +347,8 @@ def test_chains_groups_and_chords_with_deferred_members_complete(nodes: Nodes) -
     }
     assert len(runs) == 25 and len({r["id"] for r in runs}) == 25
     assert all(deferred[part] for part in ("chain", "group", "chord header")), deferred
-    assert most <= MATH.rate.limit
-    assert all(r["t"] >= r["granted"] for r in runs)
+    assert most <= MATH.rate.limit and most_started <= MATH.rate.limit
+    assert all(r["started"] >= r["granted"] for r in runs)
 
 
 def test_a_deferred_task_is_retry_while_deferred_and_success_after(nodes: Nodes) -> None:
@@ -392,7 +425,7 @@ def test_reservations_spare_a_backlog_most_of_its_limiter_calls(
             ids, runs = drain(nodes, "via_base", BACKLOG, timeout=90)
             calls = evalsha_calls(client)
         label = f"reservations {'on' if reserve else 'off'}"
-        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label, jitter_us=200_000)
+        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label)
         figures[reserve]["calls_per_task"] = calls / len(runs)
         print(
             f"[{label}] {BACKLOG} tasks at {BACKLOG_RATE}: limiter calls {calls} = "

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter, LimiterUnavailable
-from celery_ratelimit._limiter import ACQUIRE, CONFIRM
+from celery_ratelimit._limiter import ACQUIRE, CONFIRM, RESTAMP
 from tests.log_reader import entries, max_in_window, total, us
 from tests.redis_server import RedisServer, free_port
 
@@ -434,6 +434,49 @@ def test_a_held_start_counts_for_starts_decided_before_its_instant(
     # which competes anew instead of reusing it
     again = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=hold)
     assert again.token != q.token
+
+
+def test_a_grant_read_late_is_restamped_where_it_really_starts(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """A grant whose reply was read late starts anew (mode 5): its entry moves to the
+    instant it really starts (one entry, one unit of the total, whatever the delay)."""
+    rate = Limit("3/400ms")
+    keys = limiter.keys_for("late", rate)
+    first = limiter.acquire("late", rate)
+    assert first.allowed and first.token  # every grant of the log names its entry
+    others = [limiter.acquire("late", rate) for _ in range(2)]
+    sleep_until(redis_client, us(first.at) + 150_000)
+    for _ in range(2):  # read late twice: moved each time, never added
+        moved = limiter.decide(keys, (rate,), 1, RESTAMP, token=first.token)
+        assert moved.allowed and moved.retry_after == 0 and moved.token == first.token
+        assert us(moved.at) >= us(first.at) + 150_000
+        assert sorted(t for t, _ in entries(redis_client, keys[0])) == sorted(
+            [us(d.at) for d in others] + [us(moved.at)]
+        )
+        assert total(redis_client, keys[0]) == 3
+    # the window's room is taken by the moved start: the next slot opens when it leaves
+    denied = limiter.acquire("late", rate)
+    assert not denied.allowed
+
+
+def test_a_grant_read_after_its_window_waits_for_the_starts_since(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """A grant read later than a window, its entry gone and the window full of other
+    starts, waits until the oldest of them leaves: a reservation, confirmed as usual."""
+    rate = Limit("3/400ms")
+    keys = limiter.keys_for("gone", rate)
+    first = limiter.acquire("gone", rate)
+    sleep_until(redis_client, us(first.at) + 450_000)
+    others = [limiter.acquire("gone", rate) for _ in range(3)]  # the first one is pruned
+    assert all(d.allowed for d in others)
+    late = limiter.decide(keys, (rate,), 1, RESTAMP, token=first.token, hold=0.1)
+    assert not late.allowed and late.reserved and late.token == first.token
+    assert us(late.at) >= us(others[0].at) + 400_000
+    sleep_until(redis_client, us(late.at))
+    assert limiter.confirm(first.token, "gone", rate).allowed
+    assert max_in_window(entries(redis_client, keys[0]), 400_000) <= 3
 
 
 def test_confirm_after_a_redis_restart_competes_again(

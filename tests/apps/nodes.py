@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import redis
@@ -40,7 +41,13 @@ _client: redis.Redis | None = None
 
 
 def record(task: Any, **extra: Any) -> int:
-    """Append this execution to the runs list; returns Redis TIME in microseconds."""
+    """Append this execution to the runs list; returns Redis TIME in microseconds.
+
+    Called first thing in a body: ``started`` is this machine's clock then (the
+    limiter's redis-server runs on the same machine, so it is Redis's clock too), read
+    before anything that could yield to another greenlet; ``t`` is Redis ``TIME``,
+    read after connecting."""
+    started = time.time_ns() // 1000
     global _client
     if _client is None:
         _client = redis.Redis.from_url(REDIS)
@@ -56,6 +63,7 @@ def record(task: Any, **extra: Any) -> int:
                 "id": task.request.id,
                 "task": task.name,
                 "t": now,
+                "started": started,
                 "granted": int(decision.at * 1_000_000) if decision is not None else None,
                 "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,
                 "retries": task.request.retries,
