@@ -193,9 +193,7 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
 @contextmanager
 def busy_core() -> Iterator[None]:
     """Another process spinning on one core for the duration (a busy machine)."""
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL
-    )
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
     try:
         yield
     finally:
@@ -412,10 +410,12 @@ BACKLOG = 100  # 20x the limit
 
 
 @pytest.mark.timeout(240)
-def test_reservations_spare_a_backlog_most_of_its_limiter_calls(
+def test_reservations_hand_every_deferred_task_a_slot_of_its_own(
     start_nodes: Callable[..., Nodes],
 ) -> None:
-    figures = {}
+    """With reservations on, every deferral reserves the task's slot (its copy confirms
+    it instead of competing again); with them off, none does. How many limiter calls
+    that spares moves with the machine's load: the benchmark measures it (row 7)."""
     for reserve in (True, False):
         nodes = start_nodes(
             rate=BACKLOG_RATE, reserve=reserve, separate_limiter=True, backend=False
@@ -425,19 +425,15 @@ def test_reservations_spare_a_backlog_most_of_its_limiter_calls(
             ids, runs = drain(nodes, "via_base", BACKLOG, timeout=90)
             calls = evalsha_calls(client)
         label = f"reservations {'on' if reserve else 'off'}"
-        figures[reserve] = check_backlog(nodes, ids, runs, BACKLOG_RATE, label)
-        figures[reserve]["calls_per_task"] = calls / len(runs)
-        print(
-            f"[{label}] {BACKLOG} tasks at {BACKLOG_RATE}: limiter calls {calls} = "
-            f"{calls / len(runs):.2f} per executed task; drain "
-            f"{figures[reserve]['drain_s']:.2f}s vs ideal {figures[reserve]['ideal_s']:.2f}s "
-            f"({figures[reserve]['drain_ratio']:.3f}x)"
-        )
-    on, off = figures[True], figures[False]
-    # about 1.95 calls per task with reservations on a quiet machine, 9-10 without (the
-    # benchmark's row 7 measures it); what holds on any machine is that reservations
-    # spare the backlog most of its competing again each time a slot frees
-    assert on["calls_per_task"] * 2 <= off["calls_per_task"]
+        figures = check_backlog(nodes, ids, runs, BACKLOG_RATE, label)
+        print(f"[{label}] limiter calls {calls} = {calls / len(runs):.2f} per executed task")
+        deferrals = nodes.grep("ratelimit: deferred ")
+        assert len(deferrals) == figures["deferrals"] > 0
+        reserved = [line for line in deferrals if "slot reserved" in line]
+        # (a task whose grants a starved process read late, again and again, competes
+        # afresh on purpose: see MAX_RESTAMPS)
+        busy = [line for line in deferrals if "too busy" in line]
+        assert len(reserved) == (len(deferrals) - len(busy) if reserve else 0), deferrals[:3]
 
 
 # -- retries and expiry ------------------------------------------------------------------

@@ -204,8 +204,30 @@ def test_demo_runs_end_to_end_and_prints_the_report() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "tasks sent / executed          20 / 20" in out
-    most = re.search(r"most grants in any window\s+(\d+) \(limit 10\)", out)
-    assert most and int(most[1]) <= 10
+    starts = re.search(r"most starts in any window\s+(\d+) \(limit 10", out)
+    grants = re.search(r"most grants in any window\s+(\d+) ", out)
+    assert starts and int(starts[1]) <= 10
+    assert grants and int(grants[1]) <= 10
     assert re.search(r"drain time / ideal\s+[\d.]+s / 1\.00s", out)
     assert "limiter calls per task" in out
     assert "result: the shared limit held" in out
+
+
+def test_the_demo_verdict_is_by_starts_and_says_by_how_much_and_why() -> None:
+    from celery_ratelimit._demo import Report
+
+    rate = Rate.parse("2/s")
+    # three bodies start within one second although no two grants share a window: the
+    # first one started 600 ms after its grant
+    runs = [(1_600_000, 1_000_000, 0), (2_050_000, 2_050_000, 1), (2_100_000, 2_100_000, 1)]
+    exceeded = Report(3, 3, rate, 2, 3, 1.1, 1.0, 6, 2, runs)
+    ok, line = exceeded.verdict()
+    assert not ok
+    assert "3 starts in one window of 1s, 1 over the limit of 2" in line
+    assert "the grants held (2)" in line and "600 ms after its grant" in line
+    held = Report(3, 3, rate, 2, 2, 1.1, 1.0, 6, 2, [*runs[1:], (3_000_000, 3_000_000, 1)])
+    assert held.verdict() == (
+        True,
+        "the shared limit held: no window saw more task starts than the limit",
+    )
+    assert not Report(3, 2, rate, 2, 2, 1.1, 1.0, 6, 2, runs[1:]).verdict()[0]
