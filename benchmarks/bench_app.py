@@ -69,6 +69,18 @@ def unreserved(self: Any) -> None:
     record(self)
 
 
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Limit(RATE, key="unchecked"),
+    ratelimit_guard=0,
+    bind=True,
+)
+def unchecked(self: Any) -> None:
+    """An anchor: ours with ``ratelimit_guard=0``, whose grants are exact and whose
+    starts are not checked (a grant read late is run late)."""
+    record(self)
+
+
 @app.task(rate_limit=RATE, bind=True)
 def celery_rate_limit(self: Any) -> None:
     """The anchor: Celery's own per-node token bucket."""

@@ -62,7 +62,16 @@ def steady_rate(starts_us: list[int]) -> float:
 
 
 class Bench:
-    def __init__(self, broker: str, rate: Rate, backlog: int, overhead_tasks: int) -> None:
+    def __init__(
+        self,
+        broker: str,
+        rate: Rate,
+        backlog: int,
+        overhead_tasks: int,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+    ) -> None:
         self.rate = rate
         self.backlog = backlog
         self.overhead_tasks = overhead_tasks
@@ -88,6 +97,8 @@ class Bench:
                 "CRL_BENCH_REDIS": self.limiter_redis.url,
                 "CRL_BENCH_RATE": str(rate),
             },
+            pool=pool,
+            concurrency=concurrency,
             loglevel="WARNING",
             extra_args=("-Q", self.queue),
         )

@@ -132,7 +132,8 @@ class WorkerNodes:
 
     Args:
         app_module: what ``celery -A`` gets (``"celery_ratelimit._demo_app"``).
-        count: how many nodes; each is ``prefork`` with ``concurrency`` processes.
+        count: how many nodes; each runs ``pool`` (``prefork`` by default) with
+            ``concurrency`` processes, threads or greenlets.
         env: extra environment for the nodes (how the app finds its Redis).
         loglevel: the nodes' log level; logs go to files in ``logdir``.
 
@@ -148,6 +149,7 @@ class WorkerNodes:
         env: dict[str, str],
         *,
         concurrency: int = 2,
+        pool: str = "prefork",
         loglevel: str = "INFO",
         extra_args: tuple[str, ...] = (),
     ) -> None:
@@ -155,6 +157,7 @@ class WorkerNodes:
         self.count = count
         self.env = env
         self.concurrency = concurrency
+        self.pool = pool
         self.loglevel = loglevel
         self.extra_args = extra_args
         self.logdir = tempfile.mkdtemp(prefix="crl-nodes-")
@@ -167,7 +170,7 @@ class WorkerNodes:
             with open(os.path.join(self.logdir, f"node{n}.log"), "wb") as log:
                 cmd = [
                     sys.executable, "-m", "celery", "-A", self.app_module, "worker",
-                    "-P", "prefork", "-c", str(self.concurrency), "-n", f"node{n}@%h",
+                    "-P", self.pool, "-c", str(self.concurrency), "-n", f"node{n}@%h",
                     "-l", self.loglevel, "--without-gossip", "--without-mingle",
                     "--without-heartbeat", *self.extra_args,
                 ]  # fmt: skip
