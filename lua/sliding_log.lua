@@ -32,7 +32,7 @@
 --           W + g / 2 (a body starts a moment after its check, by a varying moment:
 --           up to g / 2 of variation is absorbed); the difference absorbs tasks that
 --           start a little after their slot
---   4       hold, microseconds: a start (mode 1 or 3) due no further ahead than this
+--   4       hold, microseconds: a start (mode 1, 3 or 5) due no further ahead than this
 --           is recorded as started at that instant (status 6): the caller waits for
 --           it in-process and runs without a second call. 0: never
 --   2+3i, 3+3i, 4+3i   for KEYS[i]: limit (weight units), window (microseconds) and
@@ -43,7 +43,8 @@
 -- {remaining, reset_after, at}: status 1, retry_after 0, denied_by 0 (the most
 -- frequent answer, kept short: a table's conversion to a reply is about 1 us):
 --   status       0 denied, 1 allowed now, 2 reserved for `at`,
---                3 the reservation is held but not yet due (retry_after = at - now),
+--                3 the reservation is held but not yet due (retry_after = at - now);
+--                  for mode 5, the late grant became that reservation
 --                4 released (or nothing to release),
 --                5 (mode 3) a task already started on this reservation: acquire anew
 --                6 started at `at`, within `hold` from now (retry_after = at - now):
