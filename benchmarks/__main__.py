@@ -1,7 +1,8 @@
 """All benchmarks in one process: ``python -m benchmarks [--quick]``.
 
 Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 when
-there is one), runs the limiter micro-benchmarks and the three-node Celery scenarios,
+there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
+the starts on every pool (``bench_pools``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_celery, bench_limiter
+from benchmarks import bench_celery, bench_limiter, bench_pools
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._rate import Rate
 
@@ -175,6 +176,16 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 ("one_floor_call", "8. bound: CPU per task without / with one floor script"),
             ):
                 add(f"{what} {tag}", o["cpu_ratio"][name], "", None)
+    for r in results.get("pools", []):
+        anchor = r["task"] == "unchecked"
+        add(
+            f"9. {'anchor, guard 0: ' if anchor else ''}most starts in a window / limit, "
+            f"{r['pool']}{', busy core' if r['busy_core'] else ''} "
+            f"(worst of {r['runs']} runs; {r['runs_within_limit']} at 1.00)",
+            r["worst_starts_over_limit"],
+            "anchor" if anchor else "1.00",
+            None if anchor else r["worst_starts_over_limit"] <= 1.0,
+        )
     return out
 
 
@@ -248,6 +259,7 @@ def main() -> None:
         results["celery_rabbitmq"] = timed(
             "celery rabbitmq", bench_celery.run, "rabbitmq", "20/s", backlog, overhead
         )
+    results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)
