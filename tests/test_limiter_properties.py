@@ -7,14 +7,23 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._keys import MAX_KEY, escape_part, redis_key, render
-from celery_ratelimit._limiter import CONFIRM, PENDING, RESERVE
-from tests.log_reader import entries, max_in_window, total, us, weight_after
+from celery_ratelimit._limiter import CONFIRM, PENDING, RESERVE, RESTAMP
+from tests.log_reader import (
+    ENTRY_FLOOR,
+    entries,
+    max_in_window,
+    total,
+    us,
+    weight_after,
+    weight_of,
+)
 
 LIMIT, WINDOW_US = 6, 120_000
 RATE = Limit(f"{LIMIT}/120ms")
@@ -157,3 +166,100 @@ def test_escaping_examples() -> None:
     assert escape_part(b"\x00\xff") == "%00%FF"
     assert escape_part("%3A") == "%253A"  # an escaped-looking value cannot collide
     assert escape_part("x" * 65).startswith("#") and len(escape_part("x" * 65)) == 33
+
+
+def model_start(
+    log: dict[bytes, tuple[int, int]],
+    slots: dict[bytes, int],
+    own: bytes,
+    t0: int,
+    now: int,
+    cost: int,
+) -> int:
+    """The model of a start (script modes 3 and 5, one limit, no guard): the earliest
+    instant from ``t0`` at which ``cost`` fits among the entries later than
+    ``t0 - W`` that really started: not this call's own, not a pending slot due after
+    ``t0`` or overdue by more than a quarter window."""
+    lo, abandoned = t0 - WINDOW_US, now - WINDOW_US // 4
+    skip = {own} | {m for m, s in slots.items() if s > lo and (s <= abandoned or s > t0)}
+    rows = sorted((s, w) for m, (s, w) in log.items() if s > lo and m not in skip)
+    excess = sum(w for _, w in rows) + cost - LIMIT
+    for s, w in rows:
+        if excess <= 0:
+            break
+        excess -= w
+        if excess <= 0:
+            return s + WINDOW_US
+    return t0
+
+
+def sleep_until_us(client: redis.Redis, instant_us: int) -> None:
+    """Sleep until the Redis clock reads ``instant_us``."""
+    while True:
+        seconds, micros = client.time()
+        left = instant_us - (seconds * 1_000_000 + micros)
+        if left <= 0:
+            return
+        time.sleep(min(left / 1_000_000, 0.05))
+
+
+def read_log(
+    client: redis.Redis, keys: list[str]
+) -> tuple[dict[bytes, tuple[int, int]], dict[bytes, int]]:
+    log = {
+        m: (int(s), weight_of(m))
+        for m, s in client.zrangebyscore(keys[0], ENTRY_FLOOR, "+inf", withscores=True)
+    }
+    slots = {m: int(s) for m, s in client.zrange(keys[0] + PENDING, 0, -1, withscores=True)}
+    return log, slots
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["weights-all-1", "mixed-weights"])
+@against_redis
+@given(steps=st.lists(step, min_size=1, max_size=16))
+def test_a_start_is_placed_as_the_model_places_it(
+    limiter: Limiter,
+    redis_client: redis.Redis,
+    steps: list[tuple[bool, int, int, int]],
+    uniform: bool,
+) -> None:
+    """Confirmations and restamps against the model, read from what Redis holds just
+    before each call: with weights all 1 (the script counts and ranks) and mixed (it
+    walks the entries)."""
+    name = f"start-{next(_examples)}"
+    keys = limiter.keys_for(name, RATE)
+    limits = (RATE,)
+    tokens: list[tuple[str, int]] = []  # (token, cost): reserved or granted calls
+    for new, cost, wait_ms, pick in steps:
+        if new or not tokens:
+            time.sleep(wait_ms / 1000)
+            # uniform: as many calls of weight 1 as the drawn cost, so as to press as hard
+            for weight in [1] * cost if uniform else [cost]:
+                d = limiter.decide(keys, limits, weight, RESERVE, hold=HOLD)
+                if d.token is not None:
+                    tokens.append((d.token, weight))
+            continue
+        token, cost = tokens[pick % len(tokens)]
+        member = bytes.fromhex(token) + (b"" if cost == 1 else b".%d" % cost)
+        due = redis_client.zscore(keys[0] + PENDING, member)
+        if due is None:  # a grant, restamped later
+            time.sleep(wait_ms / 1000)
+        else:  # a reservation, confirmed from 10 ms before its slot to 80 ms after
+            sleep_until_us(redis_client, int(due) + wait_ms * 3000 - 10_000)
+        log, slots = read_log(redis_client, keys)
+        mode = CONFIRM if member in slots else RESTAMP
+        d = limiter.decide(keys, limits, cost, mode, token=token, hold=HOLD)
+        if not (d.allowed or d.reserved) or (mode == CONFIRM and d.token != token):
+            continue  # denied, or a second start on one reservation (competes anew)
+        now = us(d.at) - us(d.retry_after) if d.retry_after else us(d.at)
+        slot = slots.get(member)
+        if mode == CONFIRM and slot is not None and slot - now > HOLD * 1_000_000:
+            assert d.reserved and us(d.at) == slot  # not due yet: left where it is
+            continue
+        t0 = max(now, slot) if slot is not None else now
+        expected = model_start(log, slots, member, t0, now, cost)
+        if d.retry_after:
+            assert us(d.at) == expected, (log, slots, member, t0, now)
+        else:
+            assert expected <= now, (log, slots, member, t0, now)
+    redis_client.delete(*keys, *(k + PENDING for k in keys))
