@@ -34,6 +34,10 @@ logger = logging.getLogger("celery_ratelimit")
 
 #: Message headers written on a deferral.
 DEFERRALS_HEADER = "ratelimit_deferrals"
+#: How many of those deferrals were the limit's denials of the task competing for
+#: budget (``ratelimit_max_deferrals`` counts these): a reserved slot moved later, a
+#: Redis outage and a busy worker are the library's doing, not the budget's.
+DENIALS_HEADER = "ratelimit_denials"
 TOKEN_HEADER = "ratelimit_token"
 #: ``request.retries`` of the execution that was deferred (see ``_token_header``).
 RETRIES_HEADER = "ratelimit_retries"
@@ -193,15 +197,23 @@ class Check:
             )
         return None if policy == "allow" else countdown
 
+    @property
+    def competing(self) -> bool:
+        """The last decision was this task competing for budget (it held no slot)."""
+        return self.mode in (ACQUIRE, RESERVE)
+
     def defer(
         self,
         countdown: float,
         token: str | None,
         reason: str,
         denied_by: Limit | None = None,
+        *,
+        denial: bool = False,
     ) -> str | None:
         """Publish the task again ``countdown`` seconds from now and raise the ``Retry``
-        that ends this execution.
+        that ends this execution. ``denial``: the limit denied the task competing for
+        budget (what ``ratelimit_max_deferrals`` counts).
 
         When the publish failed and the task waited in this process instead (acks
         early: the original message is already acknowledged), returns the token to
@@ -210,22 +222,25 @@ class Check:
         Raises:
             Retry: published.
             Reject: the publish failed and the task is ``acks_late`` (requeued).
-            RateLimitExceeded: past ``ratelimit_max_deferrals``.
+            RateLimitExceeded: a denial past ``ratelimit_max_deferrals``.
         """
         task, request = self.task, self.request
         deferrals = int(getattr(request, DEFERRALS_HEADER, 0) or 0)
-        max_deferrals = self.setting("ratelimit_max_deferrals")
-        if max_deferrals is not None and deferrals >= max_deferrals:
-            self.give_back(token)
-            raise RateLimitExceeded(
-                f"{task.name}[{request.id}] was deferred {deferrals} times "
-                f"(ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
-            )
+        denials = int(getattr(request, DENIALS_HEADER, 0) or 0)
+        if denial:
+            max_deferrals = self.setting("ratelimit_max_deferrals")
+            if max_deferrals is not None and denials >= max_deferrals:
+                self.give_back(token)
+                raise RateLimitExceeded(
+                    f"{task.name}[{request.id}] was denied by the limit {denials} times "
+                    f"(ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
+                )
+            denials += 1
         if token and _expires_before(task, request, countdown):
             # Celery will end the copy as expired when it arrives; its slot would be wasted.
             self.give_back(token)
             token = None
-        signature = self.copy(countdown, token, deferrals + 1)
+        signature = self.copy(countdown, token, deferrals + 1, denials)
         try:
             signature.apply_async()
         except Exception as exc:
@@ -247,7 +262,7 @@ class Check:
         send_deferral_event(task, keys, countdown, deferrals + 1, bool(token))
         raise Retry(reason, when=countdown, sig=signature)
 
-    def copy(self, countdown: float, token: str | None, deferrals: int) -> Any:
+    def copy(self, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:
         """The signature of this task published again, due ``countdown`` from now."""
         request = self.request
         headers = {
@@ -256,6 +271,7 @@ class Check:
             if name.startswith("ratelimit_") and name != DECISION_ATTR
         }
         headers[DEFERRALS_HEADER] = deferrals
+        headers[DENIALS_HEADER] = denials
         headers[TOKEN_HEADER] = token
         headers[RETRIES_HEADER] = request.retries
         return self.task.signature_from_request(

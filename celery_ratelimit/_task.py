@@ -10,7 +10,9 @@ A denied call is published again as the same task (same id, args, kwargs, links,
 chain, chord, group, queue, priority, expires) for the limiter's retry-after (an
 ``eta`` in Redis time, which the receiving worker moves to its own clock: see
 ``_clock``), ``retries`` unchanged, and headers: ``ratelimit_deferrals`` (how many
-times this task was deferred) and ``ratelimit_token`` (its reserved slot, if any).
+times this task was deferred), ``ratelimit_denials`` (how many of those the limit
+denied it while it held no slot: ``ratelimit_max_deferrals`` counts these) and
+``ratelimit_token`` (its reserved slot, if any).
 A third, ``ratelimit_retries``, tells a user's ``self.retry()`` of a deferred task (which
 copies every header) from a deferral: the retry counts its own deferrals afresh.
 The copy is published *before* the original message is acknowledged: a crash in
@@ -28,6 +30,7 @@ from celery import Task, signals
 from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
+    DENIALS_HEADER,
     MAX_RESTAMPS,
     RETRIES_HEADER,
     TOKEN_HEADER,
@@ -102,6 +105,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             decision.token if decision.reserved else None,
             f"rate limited by {limit.label if limit else describe(plan.limits)}",
             denied_by=limit,
+            denial=check.competing,
         )
 
 
@@ -111,6 +115,7 @@ def _token_header(task: Any, request: Any) -> str | None:
     afresh too: its copy carries the headers of the execution it retries."""
     if getattr(request, RETRIES_HEADER, request.retries) != request.retries:
         setattr(request, DEFERRALS_HEADER, 0)
+        setattr(request, DENIALS_HEADER, 0)
         setattr(request, TOKEN_HEADER, None)
     token = getattr(request, TOKEN_HEADER, None) or None
     if token is None:

@@ -1,8 +1,10 @@
-"""Read a sliding-log key as the tests see it, and count the worst window of a trace."""
+"""Read a sliding-log key as the tests see it, count the worst window of a trace, and
+wait for Redis's clock."""
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable, Sequence
 
 import redis
@@ -52,3 +54,15 @@ def max_in_window(events: Iterable[tuple[int, int]], window_us: int) -> int:
 def weight_after(events: Sequence[tuple[int, int]], instant_us: int) -> int:
     """Weight of the events later than ``instant_us``."""
     return sum(w for t, w in events if t > instant_us)
+
+
+def server_us(client: redis.Redis) -> int:
+    """Redis ``TIME`` in microseconds."""
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def sleep_until(client: redis.Redis, instant_us: int) -> None:
+    """Sleep until the Redis clock reads ``instant_us`` (approximately, from below)."""
+    while (left := instant_us - server_us(client)) > 0:
+        time.sleep(min(left / 1_000_000, 0.05))

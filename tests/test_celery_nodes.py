@@ -27,9 +27,11 @@ import pytest
 from celery import chain, chord, group
 from kombu import Connection
 
-from celery_ratelimit import Rate
-from tests.apps.nodes import CAP, MATH, QUOTA
+from celery_ratelimit import Limiter, Rate
+from celery_ratelimit._limiter import PENDING, RESTAMP
+from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
 from tests.log_reader import entries as log_entries
+from tests.log_reader import sleep_until, us
 from tests.nodes import (
     RABBITMQ_URL,
     Nodes,
@@ -432,6 +434,32 @@ def test_reservations_hand_every_deferred_task_a_slot_of_its_own(
         # afresh on purpose: see MAX_RESTAMPS)
         busy = [line for line in deferrals if "too busy" in line]
         assert len(reserved) == (len(deferrals) - len(busy) if reserve else 0), deferrals[:3]
+
+
+def test_max_deferrals_counts_denials_not_a_reserved_slot_moved_later(nodes: Nodes) -> None:
+    """With ``ratelimit_max_deferrals=1`` a task denied once holds a slot; a start moved
+    into the window before that slot (as a late start is) pushes it later: a second
+    deferral, the library's doing and not the budget's, so the task still runs."""
+    first = nodes.send("pushed", 0)
+    [run0] = nodes.wait_for_runs([first.id], 20, settle=0)
+    second = nodes.send("pushed", 1, headers={"ratelimit_max_deferrals": 1})
+    limiter = Limiter.from_url(nodes.limiter_url, prefix=nodes.prefix)
+    keys = limiter.keys_for("pushed", PUSHED)
+    with nodes.redis() as client:
+        deadline = time.monotonic() + 20
+        while not (slots := client.zrange(keys[0] + PENDING, 0, -1, withscores=True)):
+            assert time.monotonic() < deadline, "the second task was not deferred"
+            time.sleep(0.05)
+        [(_, slot)] = slots
+        sleep_until(client, int(slot) - 1_000_000)
+    # the first task's start moves a second before the slot: it fits there, and the
+    # slot's window now holds a start, so the second task is pushed a window later
+    moved = limiter.decide(keys, (PUSHED,), 1, RESTAMP, token=run0["token"], guard=0.03)
+    assert moved.allowed and moved.retry_after == 0
+    assert second.get(timeout=30) == 1
+    [run1] = [r for r in nodes.runs() if r["id"] == second.id]
+    assert run1["deferrals"] == 2 and run1["denials"] == 1
+    assert run1["started"] >= us(moved.at) + PUSHED.rate.window_us
 
 
 # -- retries and expiry ------------------------------------------------------------------

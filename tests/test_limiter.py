@@ -15,19 +15,8 @@ import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter, LimiterUnavailable
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, RESTAMP
-from tests.log_reader import entries, max_in_window, total, us
+from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
-
-
-def server_us(client: redis.Redis) -> int:
-    sec, usec = client.time()
-    return int(sec) * 1_000_000 + int(usec)
-
-
-def sleep_until(client: redis.Redis, instant_us: int) -> None:
-    """Sleep until the Redis clock reads ``instant_us`` (approximately, from below)."""
-    while (left := instant_us - server_us(client)) > 0:
-        time.sleep(min(left / 1_000_000, 0.05))
 
 
 def log_key(limiter: Limiter, key: str, limit: Limit) -> str:

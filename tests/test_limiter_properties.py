@@ -19,6 +19,7 @@ from tests.log_reader import (
     ENTRY_FLOOR,
     entries,
     max_in_window,
+    sleep_until,
     total,
     us,
     weight_after,
@@ -193,16 +194,6 @@ def model_start(
     return t0
 
 
-def sleep_until_us(client: redis.Redis, instant_us: int) -> None:
-    """Sleep until the Redis clock reads ``instant_us``."""
-    while True:
-        seconds, micros = client.time()
-        left = instant_us - (seconds * 1_000_000 + micros)
-        if left <= 0:
-            return
-        time.sleep(min(left / 1_000_000, 0.05))
-
-
 def read_log(
     client: redis.Redis, keys: list[str]
 ) -> tuple[dict[bytes, tuple[int, int]], dict[bytes, int]]:
@@ -245,7 +236,7 @@ def test_a_start_is_placed_as_the_model_places_it(
         if due is None:  # a grant, restamped later
             time.sleep(wait_ms / 1000)
         else:  # a reservation, confirmed from 10 ms before its slot to 80 ms after
-            sleep_until_us(redis_client, int(due) + wait_ms * 3000 - 10_000)
+            sleep_until(redis_client, int(due) + wait_ms * 3000 - 10_000)
         log, slots = read_log(redis_client, keys)
         mode = CONFIRM if member in slots else RESTAMP
         d = limiter.decide(keys, limits, cost, mode, token=token, hold=HOLD)

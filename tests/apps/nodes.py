@@ -66,6 +66,8 @@ def record(task: Any, **extra: Any) -> int:
                 "started": started,
                 "granted": int(decision.at * 1_000_000) if decision is not None else None,
                 "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,
+                "denials": getattr(task.request, "ratelimit_denials", 0) or 0,
+                "token": decision.token if decision is not None else None,
                 "retries": task.request.retries,
                 "hostname": task.request.hostname,
                 **extra,
@@ -164,6 +166,16 @@ def flaky(self: Any, i: int) -> str:
     if self.request.retries == 0:
         raise self.retry(exc=RuntimeError("first run fails"))
     return f"ok after {self.request.retries} retry"
+
+
+#: One call per 3 s: a test moves a start so as to push a reserved slot later.
+PUSHED = Limit("1/3s", key="pushed")
+
+
+@app.task(base=RateLimitedTask, ratelimit=PUSHED, bind=True)
+def pushed(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="expiring"), bind=True)
