@@ -34,9 +34,10 @@ logger = logging.getLogger("celery_ratelimit")
 
 #: Message headers written on a deferral.
 DEFERRALS_HEADER = "ratelimit_deferrals"
-#: How many of those deferrals were the limit's denials of the task competing for
-#: budget (``ratelimit_max_deferrals`` counts these): a reserved slot moved later, a
-#: Redis outage and a busy worker are the library's doing, not the budget's.
+#: How many of those deferrals the task could not get budget: the limit denied it
+#: while it held no slot, or Redis was unreachable (``ratelimit_max_deferrals`` counts
+#: these). A reserved slot moved later and a worker too busy to start the task on
+#: time are the library's doing, not the budget's, and do not count.
 DENIALS_HEADER = "ratelimit_denials"
 TOKEN_HEADER = "ratelimit_token"
 #: ``request.retries`` of the execution that was deferred (see ``_token_header``).
@@ -212,8 +213,8 @@ class Check:
         denial: bool = False,
     ) -> str | None:
         """Publish the task again ``countdown`` seconds from now and raise the ``Retry``
-        that ends this execution. ``denial``: the limit denied the task competing for
-        budget (what ``ratelimit_max_deferrals`` counts).
+        that ends this execution. ``denial``: the task could not get budget (what
+        ``ratelimit_max_deferrals`` counts; see ``DENIALS_HEADER``).
 
         When the publish failed and the task waited in this process instead (acks
         early: the original message is already acknowledged), returns the token to

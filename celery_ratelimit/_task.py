@@ -10,8 +10,9 @@ A denied call is published again as the same task (same id, args, kwargs, links,
 chain, chord, group, queue, priority, expires) for the limiter's retry-after (an
 ``eta`` in Redis time, which the receiving worker moves to its own clock: see
 ``_clock``), ``retries`` unchanged, and headers: ``ratelimit_deferrals`` (how many
-times this task was deferred), ``ratelimit_denials`` (how many of those the limit
-denied it while it held no slot: ``ratelimit_max_deferrals`` counts these) and
+times this task was deferred), ``ratelimit_denials`` (how many of those it could not
+get budget: denied while it held no slot, or Redis unreachable;
+``ratelimit_max_deferrals`` counts these) and
 ``ratelimit_token`` (its reserved slot, if any).
 A third, ``ratelimit_retries``, tells a user's ``self.retry()`` of a deferred task (which
 copies every header) from a deferral: the retry counts its own deferrals afresh.
@@ -80,7 +81,9 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             countdown = check.on_unavailable(exc)  # raises under the policy "raise"
             if countdown is None:  # "allow"
                 return
-            token, restamp = check.defer(countdown, None, f"Redis error: {exc}"), False
+            # counted like a denial: a Redis down for good must not defer it forever
+            token = check.defer(countdown, None, f"Redis error: {exc}", denial=True)
+            restamp = False
             continue
         if decision.allowed:
             late = check.start(decision)
