@@ -48,8 +48,8 @@ MIN_REDIS_VERSION = (6, 2)
 #: Every command the limiter sends or its scripts call (checked against the ACL).
 ACL_COMMANDS = (
     *("evalsha", "script|load", "time", "ping", "del", "pexpire", "hmget", "hset"),
-    *("zadd", "zcount", "zmscore", "zrangebyscore", "zrem", "zremrangebyscore"),
-    *("zrevrangebyscore", "zscore", "pttl"),
+    *("zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem"),
+    *("zremrangebyscore", "zrevrangebyscore", "zscore", "pttl"),
 )
 
 

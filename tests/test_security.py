@@ -31,7 +31,7 @@ from celery_ratelimit import (
     ratelimit,
 )
 from celery_ratelimit._keys import MAX_KEY, escape_key, redis_key, render
-from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE
+from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._settings import check_app_settings
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary
@@ -134,6 +134,23 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     limiter.decide(keys, (limit,), 1, RESERVE)  # which is then looked up again
     limiter.decide(keys, (limit,), 1, PEEK)
     limiter.decide(keys, (limit,), 1, ACQUIRE)
+    # mixed weights: a denial walks the entries
+    mixed = Limit("3/300ms", key=f"acl:m{n}")
+    assert [limiter.acquire(f"acl:m{n}", mixed, cost=c).allowed for c in (1, 2, 1)] == [
+        True,
+        True,
+        False,
+    ]
+    # a start moved into the window before a slot pushes that slot later (by rank)
+    one = Limit("1/300ms", key=f"acl:s{n}")
+    ones = limiter.keys_for(f"acl:s{n}", one)
+    granted = limiter.decide(ones, (one,), 1, RESERVE)
+    slot = limiter.decide(ones, (one,), 1, RESERVE)
+    assert granted.allowed and slot.reserved
+    time.sleep(max(slot.retry_after - 0.1, 0))
+    assert limiter.decide(ones, (one,), 1, RESTAMP, token=granted.token).allowed
+    time.sleep(0.11)
+    assert limiter.decide(ones, (one,), 1, CONFIRM, token=slot.token).reserved
     counter = Limit("2/300ms", key=f"acl:c{n}", algorithm="counter")
     got = [limiter.acquire(f"acl:c{n}", counter) for _ in range(3)]
     assert [d.allowed for d in got] == [True, True, False], got
