@@ -552,3 +552,37 @@ def test_a_horizon_that_is_no_span_of_time_is_refused_naming_it(
         limiter.acquire("k", "2/s", reserve=True, horizon=horizon)
     with pytest.raises(TypeError, match="horizon"):
         limiter.acquire("k", "2/s", reserve=True, horizon="60")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["whole-log-left", "one-newer-entry"])
+def test_a_burst_leaving_a_long_log_is_pruned_a_batch_per_call(
+    limiter: Limiter, redis_client: redis.Redis, newer: bool
+) -> None:
+    """1,200 entries leaving the window together are removed 500 per call (no call
+    removes a whole burst at once), while every decision still counts only the
+    window, and the stored total always equals the stored entries' weight."""
+    rate = Limit("3000/400ms")
+    key = f"burst-{newer}"
+    keys = limiter.keys_for(key, rate)
+    every, numbers = limiter._prepared(key, (rate,), 1, ACQUIRE, 3600.0, 0.0, 0.0)
+    limiter.check()
+    sha = limiter._scripts["log"].sha
+    with redis_client.pipeline(transaction=False) as pipe:
+        for _ in range(1200):
+            pipe.evalsha(sha, len(every), *every, os.urandom(8), numbers)
+        assert all(len(reply) == 3 for reply in pipe.execute())  # all granted at once
+    last = entries(redis_client, keys[0])[-1][0]
+    if newer:
+        sleep_until(redis_client, last + 200_000)
+        assert limiter.acquire(key, rate).allowed
+    sleep_until(redis_client, last + 401_000)  # the whole burst has left the window
+    stored = []
+    for _ in range(3):
+        d = limiter.acquire(key, rate)
+        assert d.allowed
+        live = [t for t, _ in entries(redis_client, keys[0]) if t > us(d.at) - 400_000]
+        assert d.remaining == 3000 - len(live)
+        stored.append(len(entries(redis_client, keys[0])))
+        assert total(redis_client, keys[0]) == stored[-1]
+    extra = 1 if newer else 0
+    assert stored == [701 + extra, 202 + extra, 3 + extra]
