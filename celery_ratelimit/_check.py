@@ -223,7 +223,7 @@ class Check:
         Raises:
             Retry: published.
             Reject: the publish failed and the task is ``acks_late`` (requeued).
-            RateLimitExceeded: a denial past ``ratelimit_max_deferrals``.
+            RateLimitExceeded: a ``denial`` past ``ratelimit_max_deferrals``.
         """
         task, request = self.task, self.request
         deferrals = int(getattr(request, DEFERRALS_HEADER, 0) or 0)
@@ -233,8 +233,8 @@ class Check:
             if max_deferrals is not None and denials >= max_deferrals:
                 self.give_back(token)
                 raise RateLimitExceeded(
-                    f"{task.name}[{request.id}] was denied by the limit {denials} times "
-                    f"(ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
+                    f"{task.name}[{request.id}] was deferred {denials} times for want of "
+                    f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
                 )
             denials += 1
         if token and _expires_before(task, request, countdown):

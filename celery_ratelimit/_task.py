@@ -57,7 +57,8 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
 
     Raises:
         Retry: the task was deferred.
-        RateLimitExceeded: deferred more than ``ratelimit_max_deferrals`` times.
+        RateLimitExceeded: deferred for want of budget (denied while holding no slot,
+            or Redis unreachable) more than ``ratelimit_max_deferrals`` times.
         InvalidLimit: the call's key or cost cannot be worked out (the task fails).
         LimiterUnavailable: Redis is down and the policy is ``"raise"``.
         LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
