@@ -2,7 +2,8 @@
 
 Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 when
 there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
-the starts on every pool (``bench_pools``),
+the starts on every pool (``bench_pools``) and backlogs of 10-100x the limit
+(``bench_scale``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_celery, bench_limiter, bench_pools
+from benchmarks import bench_celery, bench_limiter, bench_pools, bench_scale
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._rate import Rate
 
@@ -186,6 +187,20 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "anchor" if anchor else "1.00",
             None if anchor else r["worst_starts_over_limit"] <= 1.0,
         )
+    for r in results.get("scale", []):
+        for d in r["drains"]:
+            tag = f"{d['multiple']}x the limit [{r['broker']}]"
+            add(
+                f"10. drain / ideal, backlog {tag}",
+                d["drain_over_ideal"],
+                "<= 1.05",
+                d["drain_over_ideal"] <= 1.05,
+            )
+            for what in ("calls", "publishes"):
+                value = d[f"{what}_per_task"]
+                add(f"10. limiter {what} / task, backlog {tag}", value, "<= 2.0", value <= 2.0)
+            grown = max(d["peak_node_rss_mb"]) - max(r["idle_node_rss_mb"])
+            add(f"10. node memory above idle, MB, backlog {tag}", grown, "bounded", None)
     return out
 
 
@@ -260,6 +275,11 @@ def main() -> None:
             "celery rabbitmq", bench_celery.run, "rabbitmq", "20/s", backlog, overhead
         )
     results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
+    results["scale"] = [
+        timed(f"scale {broker}", bench_scale.run, broker)
+        for broker in ("redis", "rabbitmq")
+        if broker == "redis" or bench_celery.rabbitmq_reachable()
+    ]
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ratelimit import InvalidLimit, Limit, Limiter, LimiterUnavailable
+from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, RESTAMP
 from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
@@ -392,37 +392,76 @@ def test_a_late_start_is_counted_where_it_happened_and_the_next_slot_waits_for_i
     assert [t for t, _ in entries(redis_client, key)] == [us(ok.at)]  # the late one has left
 
 
+HOLD = 0.3
+
+
+def p_late_then_q_on_time(
+    limiter: Limiter, redis_client: redis.Redis, name: str, late_us: int
+) -> tuple[list[str], tuple[Limit], tuple[Decision, Decision, Decision], Decision, Decision]:
+    """A key at 1/400ms with one grant and three reservations p, q, r after it, 400 ms
+    apart; p confirmed ``late_us`` after its slot, then q on its slot (hold ``HOLD``).
+    Returns the keys, the limits, (p, q, r) and the two confirmations."""
+    rate = Limit("1/400ms")
+    keys, limits = limiter.keys_for(name, rate), (rate,)
+    assert limiter.acquire(name, rate).allowed
+    p, q, r = (limiter.acquire(name, rate, reserve=True) for _ in range(3))
+    assert p.token and q.token and r.token
+    assert us(q.at) - us(p.at) == us(r.at) - us(q.at) == 400_000
+    sleep_until(redis_client, us(p.at) + late_us)
+    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
+    assert late.allowed and late.retry_after == 0  # p's own room: it starts at once
+    sleep_until(redis_client, us(q.at))
+    second = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    return keys, limits, (p, q, r), late, second
+
+
 def test_a_held_start_counts_for_starts_decided_before_its_instant(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
     """With ``hold``, a start due within it is counted for its instant at once (no
     second call): a reservation confirmed before that instant must see it."""
-    rate = Limit("1/400ms")
-    limits = (rate,)
-    keys = limiter.keys_for("hold", rate)
-    hold = 0.3
-    assert limiter.acquire("hold", rate).allowed
-    p, q, r = (limiter.acquire("hold", rate, reserve=True) for _ in range(3))
-    assert p.token and q.token and r.token
-    assert us(q.at) - us(p.at) == us(r.at) - us(q.at) == 400_000
-    # p starts 200 ms late; q, on time, must wait for p to leave: a 200 ms hold
-    sleep_until(redis_client, us(p.at) + 200_000)
-    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=hold)
-    assert late.allowed and late.retry_after == 0
-    sleep_until(redis_client, us(q.at))
-    held = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=hold)
-    assert held.allowed and 0 < held.retry_after <= hold
+    # p starts 50 ms late; q, on time, must wait for p to leave: held 50 ms (ordinary
+    # jitter: at most a quarter of the hold past its slot)
+    keys, limits, (_, q, r), late, held = p_late_then_q_on_time(
+        limiter, redis_client, "hold", 50_000
+    )
+    assert held.allowed and 0 < held.retry_after <= HOLD / 4
     assert us(held.at) == us(late.at) + 400_000
-    # r confirms early, within the hold of its slot, while q's start is still ahead
-    sleep_until(redis_client, us(r.at) - 250_000)
-    early = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=hold)
+    # r confirms early, 280 ms before its slot, while q's start is still ahead
+    sleep_until(redis_client, us(r.at) - 280_000)
+    early = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
     start = us(early.at)
     assert start >= us(held.at) + 400_000, "r would start within a window of q's start"
-    assert early.reserved and early.retry_after > hold  # so it is deferred, not held
+    assert early.reserved and early.retry_after > HOLD  # so it is deferred, not held
     # holding consumed the reservation: confirming q again is a second execution,
     # which competes anew instead of reusing it
-    again = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=hold)
+    again = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
     assert again.token != q.token
+
+
+def test_a_start_pushed_far_goes_where_a_new_reservation_would_and_moves_no_other(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """A task that could start only well after its slot (a late one took its room)
+    takes the place a new reservation would get, counting every slot, instead of the
+    room that started tasks leave next: that room is the next slot's, and taking it
+    would push that task, and that one the next (a chain through the backlog)."""
+    # p starts 200 ms late (it goes first); q, on time, would wait 200 ms for p to
+    # leave: it moves behind r instead
+    keys, limits, (_, q, r), _, pushed = p_late_then_q_on_time(
+        limiter, redis_client, "chain", 200_000
+    )
+    assert pushed.reserved and pushed.token == q.token
+    assert us(pushed.at) == us(r.at) + 400_000
+    # and r starts on its own slot, not pushed in turn
+    sleep_until(redis_client, us(r.at))
+    on_time = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
+    assert on_time.allowed and on_time.retry_after == 0
+    # q, back on its new slot, starts there
+    sleep_until(redis_client, us(pushed.at))
+    moved = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    assert moved.allowed and moved.token == q.token
+    assert us(moved.at) - us(pushed.at) < 100_000
 
 
 def test_a_grant_read_late_is_restamped_where_it_really_starts(

@@ -180,9 +180,23 @@ def model_start(
     """The model of a start (script modes 3 and 5, one limit, no guard): the earliest
     instant from ``t0`` at which ``cost`` fits among the entries later than
     ``t0 - W`` that really started: not this call's own, not a pending slot due after
-    ``t0`` or overdue by more than a quarter window."""
+    ``t0`` or overdue by more than a quarter window. A start that does not fit within
+    ``HOLD`` of ``now`` and a quarter of it past ``t0`` is placed instead as a new
+    reservation is: the earliest instant from ``now`` at which it fits counting every
+    entry, reservations included."""
     lo, abandoned = t0 - WINDOW_US, now - WINDOW_US // 4
     skip = {own} | {m for m, s in slots.items() if s > lo and (s <= abandoned or s > t0)}
+    start = fit_among(log, skip, lo, cost, t0)
+    if start - now > HOLD * 1_000_000 or start - t0 > HOLD * 1_000_000 / 4:
+        start = fit_among(log, {own}, now - WINDOW_US, cost, now)
+    return start
+
+
+def fit_among(
+    log: dict[bytes, tuple[int, int]], skip: set[bytes], lo: int, cost: int, t0: int
+) -> int:
+    """The earliest instant from ``t0`` at which ``cost`` fits among the entries of
+    ``log`` later than ``lo`` (``t0 - W``), but those in ``skip``."""
     rows = sorted((s, w) for m, (s, w) in log.items() if s > lo and m not in skip)
     excess = sum(w for _, w in rows) + cost - LIMIT
     for s, w in rows:

@@ -1,0 +1,105 @@
+"""Backlogs far above the limit: ``python -m benchmarks.bench_scale [--rate R]``.
+
+Three ``celery worker`` nodes (prefork, concurrency 2) drain backlogs of 10x, 50x and
+100x the limit (50/s) sent at once, on each broker. Each drain's figures: limiter calls
+and broker publishes per task (the ideal is 2: the first execution, which reserves a
+slot and publishes the copy, and the copy's confirmation), drain time / ideal, most
+starts in any window / limit, and each node's peak resident memory (its main process
+and pool together, sampled every 0.25 s), next to the same nodes' memory before the
+first drain (the anchor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+from typing import Any
+
+from benchmarks.bench_celery import RESULTS, Bench, rabbitmq_reachable
+from celery_ratelimit._rate import Rate
+
+RATE = "50/s"
+MULTIPLES = (10, 50, 100)
+
+
+def node_rss_mb(bench: Bench) -> list[float]:
+    """Each node's resident memory, its pool included, in MB."""
+    import psutil
+
+    sizes = []
+    for proc in bench.nodes.procs:
+        main = psutil.Process(proc.pid)
+        tree = [main, *main.children(recursive=True)]
+        sizes.append(sum(p.memory_info().rss for p in tree) / 2**20)
+    return sizes
+
+
+def drain(bench: Bench, rate: Rate, multiple: int) -> dict[str, Any]:
+    count = multiple * rate.limit
+    ideal = (math.ceil(count / rate.limit) - 1) * rate.window
+    peak = [0.0] * len(bench.nodes.procs)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.25):
+            for i, mb in enumerate(node_rss_mb(bench)):
+                peak[i] = max(peak[i], mb)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        r = bench.drain("reserved", count, ideal * 4 + 60)
+    finally:
+        done.set()
+        sampler.join()
+    executed = max(r["executed"], 1)
+    publishes = r.get("broker_lpush") or r["publishes_from_records"]
+    return {
+        "multiple": multiple,
+        "backlog": count,
+        "executed": r["executed"],
+        "ideal_s": ideal,
+        "drain_over_ideal": round(r["drain_s"] / ideal, 3) if r["drain_s"] else None,
+        "calls_per_task": round(r["limiter_calls"] / executed, 3),
+        "publishes_per_task": round(publishes / executed, 3),
+        "starts_over_limit": r["max_starts_per_window"] / rate.limit,
+        "server_usec_per_call": r["limiter_usec_per_call"],
+        "peak_node_rss_mb": [round(mb, 1) for mb in peak],
+    }
+
+
+def run(broker: str = "redis", rate: str = RATE) -> dict[str, Any]:
+    parsed = Rate.parse(rate)
+    bench = Bench(broker, parsed, 0, 0)
+    try:
+        bench.nodes.start(bench.tasks.app)
+        idle = [round(mb, 1) for mb in node_rss_mb(bench)]
+        drains = [drain(bench, parsed, m) for m in MULTIPLES]
+    finally:
+        bench.close()
+    return {"broker": broker, "rate": rate, "idle_node_rss_mb": idle, "drains": drains}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rate", default=RATE)
+    args = parser.parse_args()
+    brokers = ["redis"] + (["rabbitmq"] if rabbitmq_reachable() else [])
+    results = [run(broker, args.rate) for broker in brokers]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    for r in results:
+        print(f"{r['broker']} broker, {r['rate']}; idle nodes {r['idle_node_rss_mb']} MB")
+        for d in r["drains"]:
+            print(
+                f"  {d['multiple']:>3}x ({d['backlog']} tasks): calls/task "
+                f"{d['calls_per_task']:.2f}, publishes/task {d['publishes_per_task']:.2f}, "
+                f"drain/ideal {d['drain_over_ideal']}, starts/limit {d['starts_over_limit']:.2f}, "
+                f"peak node RSS {d['peak_node_rss_mb']} MB"
+            )
+
+
+if __name__ == "__main__":
+    main()
