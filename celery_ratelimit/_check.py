@@ -47,10 +47,8 @@ DECISION_ATTR = "ratelimit_decision"
 #: A start at most this far ahead (an early arrival, a reservation this close, a
 #: late task waiting for the window) is waited for in-process instead of being
 #: published again; the limiter counts it for that instant, so no second call follows.
-#: Lateness spreads: a start pushed back by a late one pushes the start one window
-#: later by as much, less half the guard. Measured on a loaded 2-vCPU machine (400
-#: tasks at 20/s, three nodes, RabbitMQ): 100 ms left 1.95-2.5 calls per task, 40 ms
-#: 2.6, 200 ms 1.95 in three of three runs (no task deferred twice).
+#: A start pushed back by a late one is waited for only up to a quarter of this past
+#: its own slot (see ``lua/sliding_log.lua``, mode 3).
 MAX_IN_PROCESS_WAIT = 0.2
 #: A grant read too late to start on (see ``Check.start``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.

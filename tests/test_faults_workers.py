@@ -189,6 +189,50 @@ FAKETIME = shutil.which("faketime")
 
 
 @pytest.mark.skipif(FAKETIME is None, reason="needs faketime (apt-get install faketime)")
+@pytest.mark.parametrize("outage", ["every node restarted", "the limiter's Redis paused 10s"])
+def test_after_an_outage_overdue_tasks_run_and_none_fails_for_want_of_budget(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer], outage: str
+) -> None:
+    """200 tasks at 10/s with ``ratelimit_max_deferrals = 5``: every node restarted
+    (SIGTERM, back 2 s later) or the limiter's Redis paused for 10 s mid-drain. Slots
+    pass meanwhile; their tasks, overdue, must run without the library's own pushes
+    failing them, and without a window above the limit."""
+    limit, window_us = 10, 1_000_000
+    fleet.add(3, rate=f"{limit}/s", max_deferrals="5")
+    ids = [fleet.send("limited", i) for i in range(200)]
+    time.sleep(4)
+    began = time.time()
+    if outage.startswith("every node"):
+        for node in fleet.nodes:
+            node.stop()
+        time.sleep(2)
+        for node in fleet.nodes:
+            since = node.log.stat().st_size
+            node.start().wait_ready(since)
+    else:
+        limiter = servers[1]
+        assert limiter.proc is not None
+        os.kill(limiter.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(10)
+        finally:
+            os.kill(limiter.proc.pid, signal.SIGCONT)
+    outage_s = time.time() - began
+    runs = fleet.wait_for_runs(ids, 150, settle=1.0)
+    counts = tally(ids, runs)
+    failed = fleet.grep("RateLimitExceeded")
+    deferrals = Counter(r["deferrals"] for r in runs)
+    print(
+        f"\n[{outage}] {counts}; outage {outage_s:.1f}s; deferrals per task "
+        f"{dict(sorted(deferrals.items()))}; {len(failed)} RateLimitExceeded; max grants/"
+        f"window {max_grants(runs, window_us)} (limit {limit}); drained "
+        f"{(max(r['t'] for r in runs) - min(r['t'] for r in runs)) / 1e6:.1f}s"
+    )
+    assert not failed, "\n".join(failed[:5])
+    assert counts["lost"] == 0, counts
+    assert max_grants(runs, window_us) <= limit
+
+
 def test_nodes_an_hour_ahead_and_behind_keep_the_budget_and_their_slots(fleet: Fleet) -> None:
     """One node on time, one an hour ahead, one an hour behind (libfaketime)."""
     limit, window_us, tasks = 10, 1_000_000, 40

@@ -6,7 +6,8 @@ Configured from the environment by the test that starts the nodes:
   ``redis+sentinel://`` URL, may be down); ``CRL_RUNS``: a plain Redis URL where every
   execution is recorded (never the limiter's, which the tests break);
 - ``CRL_PREFIX``, ``CRL_RATE``; ``CRL_POLICY`` (``ratelimit_on_redis_error``),
-  ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``;
+  ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``,
+  ``CRL_MAX_DEFERRALS``;
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
   ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ).
 
@@ -41,6 +42,9 @@ app.conf.update(
     ratelimit_warning_interval=float(os.environ.get("CRL_WARN_INTERVAL", "60")),
     ratelimit_redis_error_countdown=float(os.environ.get("CRL_ERROR_COUNTDOWN", "1")),
     ratelimit_max_countdown=float(os.environ.get("CRL_MAX_COUNTDOWN", "600")),
+    ratelimit_max_deferrals=(
+        int(os.environ["CRL_MAX_DEFERRALS"]) if os.environ.get("CRL_MAX_DEFERRALS") else None
+    ),
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
     task_acks_late=True,
