@@ -464,6 +464,31 @@ def test_a_start_pushed_far_goes_where_a_new_reservation_would_and_moves_no_othe
     assert us(moved.at) - us(pushed.at) < 100_000
 
 
+def test_the_room_of_a_slot_whose_task_never_came_goes_to_a_new_call(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """A slot overdue by more than a quarter window (its copy stuck behind a flood of
+    messages, or lost) leaves its room to a call that fits among what started; the
+    starts stay within the limit."""
+    rate = Limit("1/400ms")
+    limits = (rate,)
+    keys = limiter.keys_for("abandoned", rate)
+    assert limiter.acquire("abandoned", rate).allowed
+    p, q = (limiter.acquire("abandoned", rate, reserve=True) for _ in range(2))
+    assert p.token and q.token
+    sleep_until(redis_client, us(p.at) + 150_000)  # p never confirms
+    new = limiter.acquire("abandoned", rate)
+    assert new.allowed and new.retry_after == 0
+    # q, on time, finds that start within its window: it starts a window after it
+    # (here within the hold: waited for in-process)
+    sleep_until(redis_client, us(q.at))
+    moved = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    assert moved.allowed and us(moved.at) == us(new.at) + 400_000
+    # p, arriving at last, starts a window after q at the earliest
+    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
+    assert late.reserved and us(late.at) >= us(moved.at) + 400_000
+
+
 def test_a_grant_read_late_is_restamped_where_it_really_starts(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
