@@ -2,8 +2,9 @@
 
 Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 when
 there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
-the starts on every pool (``bench_pools``) and backlogs of 10-100x the limit
-(``bench_scale``),
+the starts on every pool (``bench_pools``), backlogs of 10-100x the limit
+(``bench_scale``) and each script path's Redis time against the limit's size
+(``bench_script_scale``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_celery, bench_limiter, bench_pools, bench_scale
+from benchmarks import bench_celery, bench_limiter, bench_pools, bench_scale, bench_script_scale
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._rate import Rate
 
@@ -201,6 +202,15 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 add(f"10. limiter {what} / task, backlog {tag}", value, "<= 2.0", value <= 2.0)
             grown = max(d["peak_node_rss_mb"]) - max(r["idle_node_rss_mb"])
             add(f"10. node memory above idle, MB, backlog {tag}", grown, "bounded", None)
+    for label, by_size in results.get("script_scale", {}).items():
+        for path in by_size["100"]:
+            ratio = round(by_size["100000"][path] / max(by_size["100"][path], 0.1), 2)
+            add(
+                f"11. server us per call, limit 100,000 / limit 100: {path} [{label}]",
+                ratio,
+                "<= 2.0",
+                ratio <= 2.0,
+            )
     return out
 
 
@@ -280,6 +290,7 @@ def main() -> None:
         for broker in ("redis", "rabbitmq")
         if broker == "redis" or bench_celery.rabbitmq_reachable()
     ]
+    results["script_scale"] = timed("script scale", bench_script_scale.run)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)

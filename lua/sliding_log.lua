@@ -419,14 +419,29 @@ local function free_at(k, excess)
     -- hand-edited key can; a whole window is always safe)
     return row[2] and tonumber(row[2]) + k.window or now + k.window
   end
-  local offset, batch = 0, math.min(excess, 64)
+  -- Mixed weights: walk the window's entries from whichever end is nearer the answer.
+  -- From the oldest, until `excess` weight has passed; from the newest, until more
+  -- than total - excess has (a backlog's reservations make excess large, and that walk
+  -- covers only about a limit's weight).
   local floor = '(' .. string.format('%.0f', now - k.window)
+  local newest = excess > k.total / 2
+  local left = newest and k.total - excess or excess
+  local offset, batch = 0, math.min(math.max(left, 1), 64)
   while true do
-    local rows = redis.call('ZRANGEBYSCORE', k.key, floor, '+inf', 'WITHSCORES', 'LIMIT', offset, batch)
+    local rows
+    if newest then
+      rows = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', floor, 'WITHSCORES', 'LIMIT', offset, batch)
+    else
+      rows = redis.call('ZRANGEBYSCORE', k.key, floor, '+inf', 'WITHSCORES', 'LIMIT', offset, batch)
+    end
     for j = 1, #rows, 2 do
-      excess = excess - (#rows[j] > TOKEN_LEN and tonumber(string.sub(rows[j], TOKEN_LEN + 2)) or 1)
-      if excess <= 0 then
-        return tonumber(rows[j + 1]) + k.window
+      local w = #rows[j] > TOKEN_LEN and tonumber(string.sub(rows[j], TOKEN_LEN + 2)) or 1
+      if newest then
+        left = left - w
+        if left < 0 then return tonumber(rows[j + 1]) + k.window end
+      else
+        left = left - w
+        if left <= 0 then return tonumber(rows[j + 1]) + k.window end
       end
     end
     if #rows < 2 * batch then

@@ -1,0 +1,163 @@
+"""Redis time per script call against the limit's size: ``python -m benchmarks.bench_script_scale``.
+
+For limits of 10 to 100,000 per 30 s, the log is filled to the limit (a full window, as
+a saturated key keeps it), 10,000 reservations are made after it (their tasks not yet
+started, as a backlog leaves them), then each script path is called and timed by the
+limiter's Redis itself (``INFO commandstats``, microseconds per ``EVALSHA``): an
+acquisition that is denied, a reservation, a start of a task whose slot was lost (mode 3
+from now, the path of every late or overdue start), a restamp of a granted call (mode
+5), a release of a reservation, and a peek. Every entry weighs 1 (the script counts
+and ranks); then the same with weights 1 and 2 mixed, whose counts are walks. The figure
+to read is each path's time at a limit of 100,000 over its time at 100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import redis
+
+from benchmarks.bench_celery import RESULTS
+from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._embedded import RedisServer
+from celery_ratelimit._limiter import ACQUIRE, CONFIRM, MAX_HORIZON, PEEK, RELEASE, RESERVE, RESTAMP
+
+LIMITS = (10, 100, 1_000, 10_000, 100_000)
+PENDING = 10_000
+CALLS = 200
+BATCH = 2_000
+
+
+def _send(
+    client: redis.Redis,
+    limiter: Limiter,
+    limit: Limit,
+    calls: list[tuple[int, int, bytes]],
+) -> list[Any]:
+    """Pipelined script calls (mode, cost, token) on ``limit``'s key; their replies."""
+    sha = limiter._scripts["log"].sha
+    every = limiter._every(limiter.keys_for("scale", (limit,)), (limit,))
+    replies: list[Any] = []
+    for start in range(0, len(calls), BATCH):
+        pipe = client.pipeline(transaction=False)
+        for mode, cost, token in calls[start : start + BATCH]:
+            numbers = limiter._numbers((limit,), cost, mode, MAX_HORIZON, 0.03, 0.2)
+            pipe.evalsha(sha, len(every), *every, token, numbers)
+        replies += pipe.execute()
+    return replies
+
+
+def _timed(client: redis.Redis, send: Any) -> float:
+    client.config_resetstat()
+    send()
+    stats = client.info("commandstats")["cmdstat_evalsha"]
+    return round(float(stats["usec_per_call"]), 1)
+
+
+def one_limit(client: redis.Redis, limiter: Limiter, size: int, mixed: bool) -> dict[str, Any]:
+    client.flushdb()
+    limit = Limit(f"{size}/30s")
+
+    def cost(i: int) -> int:
+        return 1 + i % 2 if mixed and size > 1 else 1
+
+    # a full window: grants until the weight reaches the limit (their tokens kept)
+    granted: list[bytes] = []
+    weight = 0
+    while weight < size:
+        token = os.urandom(8)
+        c = min(cost(len(granted)), size - weight)
+        _send(client, limiter, limit, [(ACQUIRE, c, token)])
+        granted.append(token)
+        weight += c
+        if len(granted) == 1:  # the rest in bulk, now that the key exists
+            rest = []
+            while weight < size:
+                c = min(cost(len(granted) + len(rest)), size - weight)
+                rest.append((ACQUIRE, c, os.urandom(8)))
+                weight += c
+            _send(client, limiter, limit, rest)
+            granted += [t for _, _, t in rest]
+    reserved = [(RESERVE, cost(i), os.urandom(8)) for i in range(PENDING)]
+    _send(client, limiter, limit, reserved)
+    out = {
+        "acquire (denied)": _timed(
+            client,
+            lambda: _send(
+                client, limiter, limit, [(ACQUIRE, 1, os.urandom(8)) for _ in range(CALLS)]
+            ),
+        ),
+        "reserve": _timed(
+            client,
+            lambda: _send(
+                client, limiter, limit, [(RESERVE, cost(i), os.urandom(8)) for i in range(CALLS)]
+            ),
+        ),
+        "start, slot lost (mode 3)": _timed(
+            client,
+            lambda: _send(
+                client, limiter, limit, [(CONFIRM, cost(i), os.urandom(8)) for i in range(CALLS)]
+            ),
+        ),
+        "restamp (mode 5)": _timed(
+            client,
+            lambda: _send(
+                client,
+                limiter,
+                limit,
+                [(RESTAMP, cost(i), granted[-1 - i]) for i in range(min(CALLS, len(granted)))],
+            ),
+        ),
+        "release": _timed(
+            client,
+            lambda: _send(
+                client,
+                limiter,
+                limit,
+                [(RELEASE, c, t) for _, c, t in reserved[:CALLS]],
+            ),
+        ),
+        "peek": _timed(
+            client,
+            lambda: _send(client, limiter, limit, [(PEEK, 1, os.urandom(8)) for _ in range(CALLS)]),
+        ),
+    }
+    return out
+
+
+def run(limits: tuple[int, ...] = LIMITS) -> dict[str, Any]:
+    server = RedisServer()
+    try:
+        client = server.client()
+        limiter = Limiter(client)
+        limiter.check()
+        results: dict[str, Any] = {}
+        for mixed in (False, True):
+            label = "weights 1 and 2" if mixed else "weights all 1"
+            results[label] = {str(size): one_limit(client, limiter, size, mixed) for size in limits}
+        return results
+    finally:
+        server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.parse_args()
+    results = run()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "script_scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    for label, by_size in results.items():
+        paths = list(next(iter(by_size.values())))
+        print(f"{label}: server us per call, limit per 30 s ({PENDING} reservations pending)")
+        print(f"  {'path':28}" + "".join(f"{size:>10}" for size in by_size) + "  100k/100")
+        for path in paths:
+            row = [by_size[size][path] for size in by_size]
+            ratio = by_size["100000"][path] / max(by_size["100"][path], 0.1)
+            print(f"  {path:28}" + "".join(f"{x:>10}" for x in row) + f"  {ratio:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
