@@ -477,6 +477,7 @@ def test_the_room_of_a_slot_whose_task_never_came_goes_to_a_new_call(
     p, q = (limiter.acquire("abandoned", rate, reserve=True) for _ in range(2))
     assert p.token and q.token
     sleep_until(redis_client, us(p.at) + 150_000)  # p never confirms
+    assert limiter.peek("abandoned", rate).allowed  # a peek says what an acquire does
     new = limiter.acquire("abandoned", rate)
     assert new.allowed and new.retry_after == 0
     # q, on time, finds that start within its window: it starts a window after it
