@@ -118,7 +118,7 @@ def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[s
 
 
 def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:
-    from . import _ops
+    from . import _explain
     from ._settings import setting
 
     try:
@@ -128,10 +128,10 @@ def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[s
     if not isinstance(parsed, dict):
         raise SystemExit(f"--kwargs must be a JSON object, got {kwargs!r}")
     try:
-        explanation = _ops.explain(app, task, [_ops.parse_value(a) for a in args], parsed)
+        explanation = _explain.explain(app, task, [_explain.parse_value(a) for a in args], parsed)
     except KeyError as exc:
         raise SystemExit(exc.args[0]) from None
-    lines = _ops.format_explanation(
+    lines = _explain.format_explanation(
         explanation,
         reserve=setting("ratelimit_reserve", app),
         max_countdown=setting("ratelimit_max_countdown", app),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +13,8 @@ from ._decision import TOKEN_BYTES, Decision, token_bytes_of
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
 from ._failures import not_redis_error, redis_versions, translate, version_error
 from ._keys import escape_key, redis_key
-from ._limit import Limit, LimitSpec, check_cost, describe, to_limits
-from ._scripts import source
+from ._limit import Limit, LimitSpec, describe, to_limits
+from ._scripts import pack_numbers, source
 
 #: Script modes (the first of the packed numbers, ARGV[2]); see the header of lua/sliding_log.lua.
 ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP = 0, 1, 2, 3, 4, 5
@@ -30,8 +29,6 @@ DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
-#: Longest horizon accepted (seconds): a year, the longest window.
-MAX_HORIZON = 366 * 86_400.0
 #: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
 
@@ -292,7 +289,7 @@ class Limiter:
             every, numbers = self._prepared(key, limits, cost, mode, horizon, guard, hold)
         else:
             every = self._every(redis_keys, limits)
-            numbers = self._numbers(limits, cost, mode, horizon, guard, hold)
+            numbers = pack_numbers(limits, cost, mode, horizon, guard, hold)
         token_bytes = token_bytes_of(token) if token else os.urandom(TOKEN_BYTES)
         decision = self._run(every, numbers, limits, token_bytes)
         if decision is None:
@@ -368,55 +365,13 @@ class Limiter:
                 shape = None
         sends = (
             self._every(self.keys_for(key, limits), limits),
-            self._numbers(limits, cost, mode, horizon, guard, hold),
+            pack_numbers(limits, cost, mode, horizon, guard, hold),
         )
         if shape is not None:
             if len(self._sends) >= KEY_CACHE_SIZE:
                 self._sends.clear()
             self._sends[shape] = sends
         return sends
-
-    def _numbers(
-        self,
-        limits: tuple[Limit, ...],
-        cost: int | Sequence[int],
-        mode: int,
-        horizon: float,
-        guard: float,
-        hold: float,
-    ) -> bytes:
-        """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
-        cost) of every limit, as packed doubles. ``cost``: one for every limit, or one
-        per limit."""
-        if isinstance(cost, int):
-            costs: tuple[Any, ...] = (cost,) * len(limits)
-        elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
-            costs = tuple(cost)
-        else:
-            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        if len(costs) != len(limits):
-            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
-        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
-            raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
-        if not 0 < horizon <= MAX_HORIZON:
-            raise InvalidLimit(
-                f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
-            )
-        numbers: list[int] = [
-            mode,
-            int(horizon * 1_000_000),
-            int(guard * 1_000_000),
-            int(hold * 1_000_000),
-        ]
-        for limit, one in zip(limits, costs, strict=True):
-            check_cost(one)
-            if one > limit.rate.limit:
-                raise InvalidLimit(
-                    f"cost {one} is greater than the limit of {limit.label}: "
-                    "such a call could never run"
-                )
-            numbers += (limit.rate.limit, limit.rate.window_us, one)
-        return struct.pack(f"<{len(numbers)}d", *numbers)
 
     def _every(self, keys: list[str], limits: tuple[Limit, ...]) -> list[str]:
         """The script's KEYS: the limits' keys, then (log) each one's pending set.

@@ -1,8 +1,9 @@
-"""Operations behind both command lines: ``status``, ``reset KEY`` and ``explain TASK``.
+"""Operations behind both command lines: ``status`` and ``reset KEY`` (``explain TASK``
+is in ``_explain``, built on these).
 
 Nothing here writes to Redis except :func:`reset`. ``status`` reads the keys as they
 are (the log's sorted sets, the counter's hashes) and asks the scripts in peek mode,
-which count nothing; ``explain`` resolves a call's limits as a worker would and peeks.
+which count nothing.
 
 A Redis key does not store its limit, only the window (in its name) and what was
 counted. ``status`` shows ``used/limit`` for keys that match a limit known from the
@@ -13,13 +14,11 @@ weight used in its window.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ._decision import Decision
-from ._exceptions import InvalidLimit
 from ._keys import escape_key
 from ._limit import Limit, to_limits
 from ._limiter import PEEK, PENDING, REDIS_ERRORS, Limiter
@@ -171,12 +170,12 @@ def _weight(member: bytes) -> int:
     return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
 
 
-def _now_us(client: Any) -> int:
+def server_now_us(client: Any) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1_000_000 + int(micros)
 
 
-def _log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     rows = client.zrangebyscore(name.redis_key, f"({now - name.window_us}", "+inf", withscores=True)
     status = KeyStatus(name, used=0)
     oldest = None
@@ -195,7 +194,7 @@ def _log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     return status
 
 
-def _counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     w, c, p = client.hmget(name.redis_key, "w", "c", "p")
     window = name.window_us
     wid = now // window
@@ -228,7 +227,7 @@ def status(
     client = limiter.client
     result: list[KeyStatus] = []
     try:
-        now = _now_us(client)
+        now = server_now_us(client)
         names = sorted(
             (
                 name
@@ -239,7 +238,7 @@ def status(
             key=lambda n: (n.key, n.window_us, n.algorithm),
         )
         for name in names:
-            row = (_log_status if name.algorithm == "log" else _counter_status)(client, name, now)
+            row = (log_status if name.algorithm == "log" else counter_status)(client, name, now)
             if row.used == 0 and row.reserved == 0:
                 continue  # everything in it has left the window: the key is idle
             ttl = client.pttl(name.redis_key)
@@ -261,7 +260,7 @@ def _text(key: bytes | str) -> str:
     return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
 
 
-def _seconds(value: float) -> str:
+def in_seconds(value: float) -> str:
     if value <= 0:
         return "now"
     if value < 120:
@@ -287,7 +286,7 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
         if row.limit is not None:
             used = f"{row.used}/{row.limit.rate.limit}"
             remaining = str(row.remaining)
-            free = _seconds(row.next_free or 0.0)
+            free = in_seconds(row.next_free or 0.0)
             label = f"{row.limit.label} ({', '.join(row.sources)})"
         else:
             used = f"{row.used}"
@@ -295,7 +294,7 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
             free = "?"
             label = "not declared by the app"
             if row.oldest_leaves is not None:
-                label += f"; oldest entry leaves {_seconds(row.oldest_leaves)}"
+                label += f"; oldest entry leaves {in_seconds(row.oldest_leaves)}"
         reserved = str(row.reservations)
         if row.reserved != row.reservations:
             reserved += f" ({row.reserved} units)"
@@ -346,153 +345,10 @@ def reset(limiter: Limiter, key: str) -> list[str]:
     return sorted(found)
 
 
-# -- explain -------------------------------------------------------------------------------
-
-
-@dataclass
-class LimitExplanation:
-    limit: Limit
-    key: str
-    redis_key: str
-    cost: int
-    state: KeyStatus
-
-
-@dataclass
-class Explanation:
-    """Which limits apply to one call of a task, their keys, and a peeked decision."""
-
-    task: str
-    source: str
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    limits: list[LimitExplanation] = field(default_factory=list)
-    decision: Decision | None = None
-    error: str | None = None
-
-
-def parse_value(text: str) -> Any:
-    """A command-line argument: JSON when it parses (``3``, ``"x"``, ``[1]``), else the text."""
-    import json
-
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def explain(
-    app: Any, task_name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
-) -> Explanation:
-    """Resolve the limits of ``task_name(*args, **kwargs)`` as a worker would; peek.
-
-    Raises:
-        KeyError: no such task (the message lists the rate-limited ones).
-        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
-    """
-    from ._plan import plan_for
-
-    tasks = app_tasks(app)
-    task = tasks.get(task_name)
-    if task is None:
-        limited = sorted(n for n, t in tasks.items() if task_limits(t))
-        raise KeyError(
-            f"no task {task_name!r} in app {app.main!r}; rate-limited tasks: "
-            f"{', '.join(limited) or 'none'}"
-        )
-    kwargs = dict(kwargs or {})
-    result = Explanation(task_name, "", tuple(args), kwargs)
-    plan = plan_for(task)
-    if plan is None:
-        result.source = "none: this task is not rate limited"
-        return result
-    result.source = (
-        "app.conf.ratelimit_rules (install)"
-        if type(task).__dict__.get("_ratelimit_from_rules")
-        else "the task's ratelimit option"
-    )
-    try:
-        keys, costs = plan.resolve(tuple(args), kwargs)
-    except (InvalidLimit, TypeError) as exc:
-        result.error = f"a worker would fail this call: {exc}"
-        return result
-    limiter = limiter_for_app(app)
-    redis_keys = limiter.keys_for(keys, plan.limits)
-    try:
-        now = _now_us(limiter.client)
-        for limit, key, redis_key, cost in zip(plan.limits, keys, redis_keys, costs, strict=True):
-            name = parse_key(limiter.prefix, redis_key) or KeyName(
-                redis_key, key, limit.algorithm, limit.rate.window_us
-            )
-            state = (_log_status if limit.algorithm == "log" else _counter_status)(
-                limiter.client, name, now
-            )
-            state.limit = limit
-            one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
-            state.remaining, state.next_free = one.remaining, one.retry_after
-            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
-        result.decision = limiter.decide(
-            redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
-        )
-    except REDIS_ERRORS as exc:
-        raise limiter.translate(exc, "explain") from exc
-    finally:
-        limiter.client.close()
-    return result
-
-
-def _call(task: str, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str:
-    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
-    return f"{task}({', '.join(parts)})"
-
-
-def format_explanation(
-    e: Explanation, *, reserve: bool = True, max_countdown: float = float("inf")
-) -> list[str]:
-    """The lines ``explain`` prints."""
-    lines = [f"call      {_call(e.task, e.args, e.kwargs)}", f"limits    {e.source}"]
-    if e.error:
-        return [*lines, f"error     {e.error}"]
-    for i, item in enumerate(e.limits, 1):
-        s = item.state
-        lines += [
-            f"  {i}. {item.limit.label}  ({item.limit.rate}, {item.limit.algorithm}, "
-            f"cost {item.cost})",
-            f"     key        {item.key}",
-            f"     redis key  {item.redis_key}",
-            f"     now        used {s.used}/{item.limit.rate.limit}"
-            f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
-            f" this cost fits {_seconds(s.next_free or 0.0)}",
-        ]
-    d = e.decision
-    if d is None:
-        return lines
-    if d.allowed:
-        lines.append(f"decision  allowed now ({d.remaining} free before this call)")
-    else:
-        by = d.limit.label if d.limit is not None else "the limits"
-        if d.retry_after > max_countdown:
-            then = (
-                f"by {max_countdown:g}s, the ratelimit_max_countdown cap, without a "
-                "reservation, to compete again then"
-            )
-        else:
-            then = "to that instant, reserving it" if reserve else "without a reservation"
-        lines.append(
-            f"decision  denied by {by}: it fits {_seconds(d.retry_after)}; a worker would "
-            f"defer it {then}"
-        )
-    lines.append("          (peek: nothing was counted)")
-    return lines
-
-
 __all__ = [
-    "Explanation",
     "KeyName",
     "KeyStatus",
     "KnownLimit",
-    "explain",
-    "format_explanation",
     "format_status",
     "known_limits",
     "parse_key",

@@ -1,0 +1,166 @@
+"""``explain TASK``: which limits one call of a task meets, their keys, and a peeked
+decision, resolved as a worker would (nothing is counted)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._decision import Decision
+from ._exceptions import InvalidLimit
+from ._limit import Limit
+from ._limiter import PEEK, REDIS_ERRORS
+from ._ops import (
+    KeyName,
+    KeyStatus,
+    app_tasks,
+    counter_status,
+    guard_for_app,
+    in_seconds,
+    limiter_for_app,
+    log_status,
+    parse_key,
+    server_now_us,
+    task_limits,
+)
+
+
+@dataclass
+class LimitExplanation:
+    limit: Limit
+    key: str
+    redis_key: str
+    cost: int
+    state: KeyStatus
+
+
+@dataclass
+class Explanation:
+    """Which limits apply to one call of a task, their keys, and a peeked decision."""
+
+    task: str
+    source: str
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    limits: list[LimitExplanation] = field(default_factory=list)
+    decision: Decision | None = None
+    error: str | None = None
+
+
+def parse_value(text: str) -> Any:
+    """A command-line argument: JSON when it parses (``3``, ``"x"``, ``[1]``), else the text."""
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def explain(
+    app: Any, task_name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+) -> Explanation:
+    """Resolve the limits of ``task_name(*args, **kwargs)`` as a worker would; peek.
+
+    Raises:
+        KeyError: no such task (the message lists the rate-limited ones).
+        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
+    """
+    from ._plan import plan_for
+
+    tasks = app_tasks(app)
+    task = tasks.get(task_name)
+    if task is None:
+        limited = sorted(n for n, t in tasks.items() if task_limits(t))
+        raise KeyError(
+            f"no task {task_name!r} in app {app.main!r}; rate-limited tasks: "
+            f"{', '.join(limited) or 'none'}"
+        )
+    kwargs = dict(kwargs or {})
+    result = Explanation(task_name, "", tuple(args), kwargs)
+    plan = plan_for(task)
+    if plan is None:
+        result.source = "none: this task is not rate limited"
+        return result
+    result.source = (
+        "app.conf.ratelimit_rules (install)"
+        if type(task).__dict__.get("_ratelimit_from_rules")
+        else "the task's ratelimit option"
+    )
+    try:
+        keys, costs = plan.resolve(tuple(args), kwargs)
+    except (InvalidLimit, TypeError) as exc:
+        result.error = f"a worker would fail this call: {exc}"
+        return result
+    limiter = limiter_for_app(app)
+    redis_keys = limiter.keys_for(keys, plan.limits)
+    try:
+        now = server_now_us(limiter.client)
+        for limit, key, redis_key, cost in zip(plan.limits, keys, redis_keys, costs, strict=True):
+            name = parse_key(limiter.prefix, redis_key) or KeyName(
+                redis_key, key, limit.algorithm, limit.rate.window_us
+            )
+            state = (log_status if limit.algorithm == "log" else counter_status)(
+                limiter.client, name, now
+            )
+            state.limit = limit
+            one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
+            state.remaining, state.next_free = one.remaining, one.retry_after
+            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
+        result.decision = limiter.decide(
+            redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
+        )
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "explain") from exc
+    finally:
+        limiter.client.close()
+    return result
+
+
+def _call(task: str, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str:
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{task}({', '.join(parts)})"
+
+
+def format_explanation(
+    e: Explanation, *, reserve: bool = True, max_countdown: float = float("inf")
+) -> list[str]:
+    """The lines ``explain`` prints."""
+    lines = [f"call      {_call(e.task, e.args, e.kwargs)}", f"limits    {e.source}"]
+    if e.error:
+        return [*lines, f"error     {e.error}"]
+    for i, item in enumerate(e.limits, 1):
+        s = item.state
+        lines += [
+            f"  {i}. {item.limit.label}  ({item.limit.rate}, {item.limit.algorithm}, "
+            f"cost {item.cost})",
+            f"     key        {item.key}",
+            f"     redis key  {item.redis_key}",
+            f"     now        used {s.used}/{item.limit.rate.limit}"
+            f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
+            f" this cost fits {in_seconds(s.next_free or 0.0)}",
+        ]
+    d = e.decision
+    if d is None:
+        return lines
+    if d.allowed:
+        lines.append(f"decision  allowed now ({d.remaining} free before this call)")
+    else:
+        by = d.limit.label if d.limit is not None else "the limits"
+        if d.retry_after > max_countdown:
+            then = (
+                f"by {max_countdown:g}s, the ratelimit_max_countdown cap, without a "
+                "reservation, to compete again then"
+            )
+        else:
+            then = "to that instant, reserving it" if reserve else "without a reservation"
+        lines.append(
+            f"decision  denied by {by}: it fits {in_seconds(d.retry_after)}; a worker would "
+            f"defer it {then}"
+        )
+    lines.append("          (peek: nothing was counted)")
+    return lines
+
+
+__all__ = ["Explanation", "LimitExplanation", "explain", "format_explanation", "parse_value"]
