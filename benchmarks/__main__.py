@@ -4,7 +4,7 @@ Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 
 there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
 the starts on every pool (``bench_pools``), backlogs of 10-100x the limit
 (``bench_scale``) and each script path's Redis time against the limit's size
-(``bench_script_scale``),
+(``bench_script_scale``, both drawn as ``benchmarks/results/scale.png``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -20,7 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_celery, bench_limiter, bench_pools, bench_scale, bench_script_scale
+from benchmarks import (
+    bench_celery,
+    bench_limiter,
+    bench_pools,
+    bench_scale,
+    bench_script_scale,
+    curves,
+)
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._rate import Rate
 
@@ -303,6 +310,8 @@ def main() -> None:
     (RESULTS / "all.json").write_text(json.dumps(results, indent=1) + "\n")
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
+    if curves.plot(results["scale"], results["script_scale"], RESULTS / "scale.png"):
+        print(f"plot: {RESULTS / 'scale.png'}")
     parts = ", ".join(f"{name} {secs}s" for name, secs in sections.items())
     print(f"raw figures: {RESULTS / 'all.json'} ({results['seconds']}s in all: {parts})")
 
