@@ -390,22 +390,28 @@ local function pend(i, t)
   end
 end
 
+-- Remove this call's own entry from k, stored at instant s, keeping the running
+-- total and the newest-entry meta in step (a release, or a start placed anew).
+local function unlog(k, s)
+  redis.call('ZREM', k.key, k.member)
+  if s > now - k.window then k.total = math.max(k.total - k.cost, 0) end
+  if s >= k.newest then
+    local top = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
+    k.newest = top[2] and tonumber(top[2]) or 0
+    redis.call('ZADD', k.key, k.total + k.stale, '', -k.newest, '+')
+  else
+    redis.call('ZADD', k.key, k.total + k.stale, '')
+  end
+  k.dirty = false
+end
+
 if mode == 4 then
   -- release: remove this call's entry, if it is still in the future
   for i = 1, n do
     local k = ks[i]
     redis.call('ZREM', KEYS[n + i], k.member)
     local s = redis.call('ZSCORE', k.key, k.member)
-    if s and tonumber(s) > now then
-      redis.call('ZREM', k.key, k.member)
-      k.total = math.max(k.total - k.cost, 0)
-      if tonumber(s) >= k.newest then
-        local top = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
-        k.newest = top[2] and tonumber(top[2]) or 0
-      end
-      redis.call('ZADD', k.key, k.total + k.stale, '', -k.newest, '+')
-      k.dirty = false
-    end
+    if s and tonumber(s) > now then unlog(k, tonumber(s)) end
   end
   flush()
   return summary(4, now, 0, 0)
@@ -459,24 +465,6 @@ local function free_at(k, excess)
   end
 end
 
--- Remove this call's own entry from k (a start being placed anew), keeping the
--- running total and the newest-entry meta in step.
-local function unlog(k)
-  local s = redis.call('ZSCORE', k.key, k.member)
-  if not s then return end
-  s = tonumber(s)
-  redis.call('ZREM', k.key, k.member)
-  if s > now - k.window then k.total = math.max(k.total - k.cost, 0) end
-  if s >= k.newest then
-    local top = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
-    k.newest = top[2] and tonumber(top[2]) or 0
-    redis.call('ZADD', k.key, k.total + k.stale, '', -k.newest, '+')
-  else
-    redis.call('ZADD', k.key, k.total + k.stale, '')
-  end
-  k.dirty = false
-end
-
 if mode == 3 or mode == 5 then
   local slot = nil
   if mode == 3 then
@@ -511,7 +499,8 @@ if mode == 3 or mode == 5 then
     start = now
     for i = 1, n do
       local k = ks[i]
-      unlog(k)
+      local own = redis.call('ZSCORE', k.key, k.member)
+      if own then unlog(k, tonumber(own)) end
       local excess = k.total + k.cost - k.limit
       if excess > 0 then
         local s = free_at(k, excess)
