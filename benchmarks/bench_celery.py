@@ -35,6 +35,7 @@ from typing import Any
 
 from celery_ratelimit._demo import max_in_window
 from celery_ratelimit._embedded import RedisServer, WorkerNodes
+from celery_ratelimit._park import park_calls
 from celery_ratelimit._rate import Rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -161,6 +162,7 @@ class Bench:
         self.client.delete(runs_key)
         broker = self.broker_redis.client() if self.broker_redis else None
         self.client.config_resetstat()
+        park_before = park_calls(self.client, "bench")
         if broker is not None:
             broker.config_resetstat()
         groups = self._processes() if queued_first else {}
@@ -177,6 +179,7 @@ class Bench:
         cpu_after = self._cpu_seconds(groups)
         time.sleep(0.2)  # let a duplicate, if any, show up
         rows = [tuple(int(x) for x in raw.split()) for raw in self.client.lrange(runs_key, 0, -1)]
+        park_ops = park_calls(self.client, "bench") - park_before
         starts = [r[0] for r in rows]
         grants = [r[1] for r in rows]
         result: dict[str, Any] = {
@@ -186,7 +189,9 @@ class Bench:
             "drain_s": (max(starts) - min(starts)) / 1e6 if rows else None,
             "max_grants_per_window": max_in_window(grants, self.rate.window_us),
             "max_starts_per_window": max_in_window(starts, self.rate.window_us),
-            "limiter_calls": self._calls(self.client, "evalsha"),
+            # decisions: the calls of the park's script are counted apart
+            "limiter_calls": self._calls(self.client, "evalsha") - park_ops,
+            "park_calls": park_ops,
             # the limiter's Redis time per script call, here under the nodes' load
             "limiter_usec_per_call": float(
                 self.client.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call", 0)

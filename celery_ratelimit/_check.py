@@ -27,6 +27,7 @@ from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExce
 from ._limit import Limit
 from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
 from ._metrics import metrics_for, send_deferral_event
+from ._park import park
 from ._plan import Plan
 from ._settings import limiter_for, setting
 
@@ -240,19 +241,22 @@ class Check:
             self.give_back(token)
             token = None
         signature = self.copy(countdown, token, deferrals + 1, denials)
-        try:
-            signature.apply_async()
-        except Exception as exc:
-            return self.publish_failed(exc, countdown, token)
+        parked = self.park(signature, countdown)
+        if not parked:
+            try:
+                signature.apply_async()
+            except Exception as exc:
+                return self.publish_failed(exc, countdown, token)
         keys = ",".join(self.keys)
         logger.info(
-            "ratelimit: deferred %s[%s] key %s for %.3fs (deferral %d%s; %s)",
+            "ratelimit: deferred %s[%s] key %s for %.3fs (deferral %d%s%s; %s)",
             task.name,
             request.id,
             keys,
             countdown,
             deferrals + 1,
             ", slot reserved" if token else "",
+            ", parked in Redis" if parked else "",
             reason,
         )
         if self.metrics is not None:
@@ -282,6 +286,28 @@ class Check:
             retries=request.retries,
             headers=headers,
         )
+
+    def park(self, signature: Any, countdown: float) -> bool:
+        """Park the copy in Redis if it is due later than ``ratelimit_park_after``
+        (see ``_park``); False if it is to be published to the broker now: due sooner,
+        parking off, or the park could not be written."""
+        park_after = _process_settings(self.task).park_after
+        if park_after is None or countdown <= park_after:
+            return False
+        try:
+            park(self.task, signature, countdown + ETA_MARGIN)
+        except Exception as exc:  # the broker still takes it
+            interval = setting("ratelimit_warning_interval", self.task.app)
+            if _log_at_most_every(interval, "park"):
+                logger.warning(
+                    "ratelimit: could not park a deferred task in Redis (%s); publishing "
+                    "deferred tasks to the broker instead (next warning in %.0fs at the "
+                    "earliest)",
+                    exc,
+                    interval,
+                )
+            return False
+        return True
 
     def publish_failed(self, exc: Exception, countdown: float, token: str | None) -> str | None:
         task, request = self.task, self.request
@@ -324,6 +350,7 @@ class _ProcessSettings:
     guard: float
     reserve: bool
     metrics: Any
+    park_after: float | None  # an app-wide setting: every node's mover must agree
 
 
 def _process_settings(task: Any) -> _ProcessSettings:
@@ -339,6 +366,7 @@ def _process_settings(task: Any) -> _ProcessSettings:
         guard=setting("ratelimit_guard", app, task),
         reserve=setting("ratelimit_reserve", app, task),
         metrics=metrics_for(app),
+        park_after=setting("ratelimit_park_after", app),
     )
     cls._ratelimit_settings = resolved
     return resolved

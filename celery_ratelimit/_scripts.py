@@ -13,7 +13,7 @@ from typing import Any
 from ._exceptions import InvalidLimit
 from ._limit import Limit, check_cost
 
-NAMES = ("sliding_log", "sliding_counter")
+NAMES = ("sliding_log", "sliding_counter", "park")
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
 

@@ -47,7 +47,14 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_warning_interval": 60.0,
     # Record Prometheus metrics (needs the `metrics` extra); see _metrics.py.
     "ratelimit_metrics": False,
+    # A deferral longer than this (seconds) waits in Redis, not in a worker's memory,
+    # until moments before it is due (see _park.py); None: every copy goes to the broker.
+    "ratelimit_park_after": 2.0,
 }
+
+#: Shortest ``ratelimit_park_after`` (seconds): a parked copy is published a second
+#: before it is due by a mover that looks twice a second (see _park.py).
+MIN_PARK_AFTER = 1.5
 
 
 def _positive_number(name: str, value: Any) -> float:
@@ -90,6 +97,20 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _park_after(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_PARK_AFTER <= value < math.inf
+    ):
+        raise InvalidLimit(
+            f"{name} must be None or a number of seconds >= {MIN_PARK_AFTER:g}, got {value!r}"
+        )
+    return float(value)
+
+
 def _rules(name: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidLimit(
@@ -120,6 +141,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ratelimit_redis_error_countdown": _positive_number,
     "ratelimit_warning_interval": _positive_number,
     "ratelimit_metrics": _flag,
+    "ratelimit_park_after": _park_after,
 }
 
 _UNSET = object()

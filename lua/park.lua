@@ -1,0 +1,69 @@
+-- The park: deferred copies of tasks that wait in Redis, not in a worker's memory, until
+-- they are nearly due (see celery_ratelimit/_park.py). Every node's mover claims the
+-- copies coming due, publishes them to the broker, then drops them; a claim lapses after
+-- its lease, so a copy whose mover died before publishing it is claimed again: a copy
+-- is published at least once, never lost.
+--
+-- KEYS[1]  sorted set: copy id -> when it is due (µs, Redis time); while a mover
+--          publishes it: when that mover's claim lapses
+-- KEYS[2]  hash: copy id -> "<due µs>|<payload>" (the payload is opaque here)
+-- KEYS[3]  hash of counts, for monitoring: calls of each operation ("park", "claim",
+--          "drop") and copies published ("published")
+-- ARGV[1]  "park" | "claim" | "drop"
+--
+-- park   ARGV[2] copy id, ARGV[3] delay (µs from now), ARGV[4] payload.
+--        Reply: when the copy is due (µs, Redis time).
+-- claim  ARGV[2] lead (µs): claim copies due within this from now;
+--        ARGV[3] lease (µs); ARGV[4] at most this many copies.
+--        Reply: {now µs, the earliest score left (µs) or -1, id, value, id, value, ...}
+-- drop   ARGV[2..] copy ids that were published. Reply: how many were dropped.
+
+local op = ARGV[1]
+redis.call('HINCRBY', KEYS[3], op, 1)
+
+if op == 'drop' then
+  local ids = {}
+  for i = 2, #ARGV do
+    ids[#ids + 1] = ARGV[i]
+  end
+  if #ids == 0 then
+    return 0
+  end
+  redis.call('HDEL', KEYS[2], unpack(ids))
+  redis.call('HINCRBY', KEYS[3], 'published', #ids)
+  return redis.call('ZREM', KEYS[1], unpack(ids))
+end
+
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+
+if op == 'park' then
+  local due = now + tonumber(ARGV[3])
+  redis.call('HSET', KEYS[2], ARGV[2], string.format('%.0f', due) .. '|' .. ARGV[4])
+  redis.call('ZADD', KEYS[1], due, ARGV[2])
+  return due
+end
+
+if op == 'claim' then
+  local lapse = now + tonumber(ARGV[3])
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]),
+    'LIMIT', 0, tonumber(ARGV[4]))
+  local reply = {now, -1}
+  for _, id in ipairs(ids) do
+    local value = redis.call('HGET', KEYS[2], id)
+    if value then
+      redis.call('ZADD', KEYS[1], lapse, id)
+      reply[#reply + 1] = id
+      reply[#reply + 1] = value
+    else
+      redis.call('ZREM', KEYS[1], id) -- dropped meanwhile: nothing to publish
+    end
+  end
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if first[2] then
+    reply[2] = tonumber(first[2])
+  end
+  return reply
+end
+
+return redis.error_reply('unknown park operation ' .. tostring(op))
