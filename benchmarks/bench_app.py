@@ -2,8 +2,9 @@
 
 Configured from the environment by benchmarks/bench_celery.py: CRL_BENCH_BROKER,
 CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours only),
-CRL_BENCH_RATE. Each task appends ``"<started_us> <granted_us> <deferrals>"`` to
-``bench:runs:<task>`` on the limiter's Redis.
+CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds). Each task appends
+``"<started_us> <granted_us> <deferrals>"`` to ``bench:runs:<task>`` on the limiter's
+Redis.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from celery_ratelimit._client import HeldConnection
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
 REDIS = os.environ.get("CRL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 RATE = os.environ.get("CRL_BENCH_RATE", "20/s")
+PARK_AFTER = os.environ.get("CRL_BENCH_PARK_AFTER", "auto")
 
 app = Celery("bench", broker=BROKER)
 app.conf.update(
     ratelimit_redis_url=REDIS,
     ratelimit_key_prefix="bench",
+    ratelimit_park_after=(
+        None if PARK_AFTER == "none" else PARK_AFTER if PARK_AFTER == "auto" else float(PARK_AFTER)
+    ),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )

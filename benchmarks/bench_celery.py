@@ -72,6 +72,7 @@ class Bench:
         *,
         pool: str = "prefork",
         concurrency: int = 2,
+        park_after: str = "auto",
     ) -> None:
         self.rate = rate
         self.backlog = backlog
@@ -97,6 +98,7 @@ class Bench:
                 "CRL_BENCH_BROKER": self.broker_url,
                 "CRL_BENCH_REDIS": self.limiter_redis.url,
                 "CRL_BENCH_RATE": str(rate),
+                "CRL_BENCH_PARK_AFTER": park_after,
             },
             pool=pool,
             concurrency=concurrency,

@@ -6,7 +6,9 @@ and broker publishes per task (the ideal is 2: the first execution, which reserv
 slot and publishes the copy, and the copy's confirmation), drain time / ideal, most
 starts in any window / limit, and each node's peak resident memory (its main process
 and pool together, sampled every 0.25 s), next to the same nodes' memory before the
-first drain (the anchor).
+first drain. Deferred copies are parked in Redis (``ratelimit_park_after = 2``; the
+limiter has a redis-server of its own here, where "auto" would not park); the anchor
+drains the largest backlog with parking off, every copy an ETA message in a node.
 """
 
 from __future__ import annotations
@@ -70,28 +72,54 @@ def drain(bench: Bench, rate: Rate, multiple: int) -> dict[str, Any]:
     }
 
 
-def run(broker: str = "redis", rate: str = RATE) -> dict[str, Any]:
+def run(
+    broker: str = "redis",
+    rate: str = RATE,
+    park_after: str = "2",
+    multiples: tuple[int, ...] = MULTIPLES,
+) -> dict[str, Any]:
     parsed = Rate.parse(rate)
-    bench = Bench(broker, parsed, 0, 0)
+    bench = Bench(broker, parsed, 0, 0, park_after=park_after)
     try:
         bench.nodes.start(bench.tasks.app)
         idle = [round(mb, 1) for mb in node_rss_mb(bench)]
-        drains = [drain(bench, parsed, m) for m in MULTIPLES]
+        drains = [drain(bench, parsed, m) for m in multiples]
     finally:
         bench.close()
-    return {"broker": broker, "rate": rate, "idle_node_rss_mb": idle, "drains": drains}
+    return {
+        "broker": broker,
+        "rate": rate,
+        "parked": park_after != "none",
+        "idle_node_rss_mb": idle,
+        "drains": drains,
+    }
+
+
+def run_all(rate: str = RATE) -> list[dict[str, Any]]:
+    """Every broker, parked, then the anchor (no park) at the largest backlog."""
+    brokers = ["redis"] + (["rabbitmq"] if rabbitmq_reachable() else [])
+    results = []
+    for broker in brokers:
+        results.append(run(broker, rate))
+        results.append(run(broker, rate, "none", MULTIPLES[-1:]))
+    return results
+
+
+def label(run: dict[str, Any]) -> str:
+    return "parked" if run.get("parked", False) else "anchor: not parked"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rate", default=RATE)
     args = parser.parse_args()
-    brokers = ["redis"] + (["rabbitmq"] if rabbitmq_reachable() else [])
-    results = [run(broker, args.rate) for broker in brokers]
+    results = run_all(args.rate)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
     for r in results:
-        print(f"{r['broker']} broker, {r['rate']}; idle nodes {r['idle_node_rss_mb']} MB")
+        print(
+            f"{r['broker']} broker, {r['rate']}, {label(r)}; idle nodes {r['idle_node_rss_mb']} MB"
+        )
         for d in r["drains"]:
             print(
                 f"  {d['multiple']:>3}x ({d['backlog']} tasks): calls/task "

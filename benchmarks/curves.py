@@ -30,7 +30,7 @@ def plot(scale: list[dict[str, Any]], script_scale: dict[str, Any], path: Path) 
     for run in scale:
         drains = run["drains"]
         xs = [d["multiple"] for d in drains]
-        broker = run["broker"]
+        broker = run["broker"] + ("" if run.get("parked", False) else ", not parked")
         drain.plot(xs, [d["drain_over_ideal"] for d in drains], marker="o", label=broker)
         calls.plot(xs, [d["calls_per_task"] for d in drains], marker="o", label=f"{broker}: calls")
         calls.plot(

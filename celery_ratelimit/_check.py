@@ -29,7 +29,7 @@ from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
-from ._settings import limiter_for, setting
+from ._settings import limiter_for, park_after, setting
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -290,12 +290,12 @@ class Check:
     def park(self, signature: Any, countdown: float) -> bool:
         """Park the copy in Redis if it is due later than ``ratelimit_park_after``
         (see ``_park``); False if it is to be published to the broker now: due sooner,
-        parking off, or the park could not be written."""
-        park_after = _process_settings(self.task).park_after
-        if park_after is None or countdown <= park_after:
+        parking off, no node's mover seen lately, or the park could not be written."""
+        after = _process_settings(self.task).park_after
+        if after is None or countdown <= after:
             return False
         try:
-            park(self.task, signature, countdown + ETA_MARGIN)
+            return park(self.task, signature, countdown + ETA_MARGIN)
         except Exception as exc:  # the broker still takes it
             interval = setting("ratelimit_warning_interval", self.task.app)
             if _log_at_most_every(interval, "park"):
@@ -307,7 +307,6 @@ class Check:
                     interval,
                 )
             return False
-        return True
 
     def publish_failed(self, exc: Exception, countdown: float, token: str | None) -> str | None:
         task, request = self.task, self.request
@@ -366,7 +365,7 @@ def _process_settings(task: Any) -> _ProcessSettings:
         guard=setting("ratelimit_guard", app, task),
         reserve=setting("ratelimit_reserve", app, task),
         metrics=metrics_for(app),
-        park_after=setting("ratelimit_park_after", app),
+        park_after=park_after(app),
     )
     cls._ratelimit_settings = resolved
     return resolved

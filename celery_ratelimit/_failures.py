@@ -47,7 +47,19 @@ TRANSIENT_ERRORS = (
 MIN_REDIS_VERSION = (6, 2)
 #: Every command the limiter sends or its scripts call (checked against the ACL).
 ACL_COMMANDS = (
-    *("evalsha", "script|load", "time", "ping", "del", "pexpire", "hmget", "hset", "hget", "hdel"),
+    *(
+        "evalsha",
+        "script|load",
+        "time",
+        "ping",
+        "del",
+        "pexpire",
+        "hmget",
+        "hset",
+        "hget",
+        "hdel",
+        "hincrby",
+    ),
     *("zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem"),
     *("zremrangebyscore", "zrevrangebyscore", "zscore", "pttl"),
 )

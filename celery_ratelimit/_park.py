@@ -34,7 +34,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ._limiter import REDIS_ERRORS, Limiter
 from ._scripts import source
-from ._settings import limiter_for, setting
+from ._settings import limiter_for, park_after, setting
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -52,6 +52,9 @@ POLL = 0.5
 TICK = 0.2
 #: After an error, a mover tries again after this long (seconds).
 ERROR_PAUSE = 1.0
+#: A copy is parked only if some mover claimed within this many seconds; else it goes
+#: to the broker (no node runs a mover: an in-process test worker, or every node down).
+MOVER_SEEN = 5.0
 
 
 def park_keys(app: Any, limiter: Limiter) -> list[str]:
@@ -81,9 +84,9 @@ def _script(limiter: Limiter) -> Any:
     return script
 
 
-def park(task: Any, signature: Any, countdown: float) -> None:
+def park(task: Any, signature: Any, countdown: float) -> bool:
     """Park ``signature`` (a deferred copy of ``task``), due ``countdown`` seconds from
-    now by Redis's clock.
+    now by Redis's clock; False if no mover serves the park (the copy is not parked).
 
     Raises:
         LimiterUnavailable, LimiterMisconfigured: the park could not be written.
@@ -97,12 +100,19 @@ def park(task: Any, signature: Any, countdown: float) -> None:
     payload = f"{content_type}|{encoding}|".encode() + data
     limiter = limiter_for(task.app)
     try:
-        _script(limiter)(
+        due = _script(limiter)(
             keys=park_keys(task.app, limiter),
-            args=["park", uuid.uuid4().hex, int(countdown * 1_000_000), payload],
+            args=[
+                "park",
+                uuid.uuid4().hex,
+                int(countdown * 1_000_000),
+                payload,
+                int(MOVER_SEEN * 1_000_000),
+            ],
         )
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "parking a deferred task") from exc
+    return int(due) >= 0
 
 
 def move_once(app: Any) -> float:
@@ -201,7 +211,7 @@ def _start_mover(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or os.getpid() in _movers or not _limited(app):
         return
-    if setting("ratelimit_park_after", app) is None:
+    if park_after(app) is None:
         return  # an app-wide setting: no node parks
     mover = _movers[os.getpid()] = Mover(app)
     mover.start()

@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery import signals
 
@@ -47,10 +48,15 @@ DEFAULTS: dict[str, Any] = {
     "ratelimit_warning_interval": 60.0,
     # Record Prometheus metrics (needs the `metrics` extra); see _metrics.py.
     "ratelimit_metrics": False,
-    # A deferral longer than this (seconds) waits in Redis, not in a worker's memory,
-    # until moments before it is due (see _park.py); None: every copy goes to the broker.
-    "ratelimit_park_after": 2.0,
+    # A deferral longer than this (seconds) waits in the limiter's Redis, not in a
+    # worker's memory, until moments before it is due (see _park.py); None: every copy
+    # goes to the broker. "auto": PARK_AFTER when the limiter's Redis is the broker's
+    # server (a parked copy is then as durable as a published one), else None.
+    "ratelimit_park_after": "auto",
 }
+
+#: ``ratelimit_park_after`` under "auto", when the limiter's Redis is the broker's.
+PARK_AFTER = 2.0
 
 #: Shortest ``ratelimit_park_after`` (seconds): a parked copy is published a second
 #: before it is due by a mover that looks twice a second (see _park.py).
@@ -97,16 +103,17 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def _park_after(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
+def _park_after(name: str, value: Any) -> float | str | None:
+    if value is None or value == "auto":
+        return value  # type: ignore[no-any-return]
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not MIN_PARK_AFTER <= value < math.inf
     ):
         raise InvalidLimit(
-            f"{name} must be None or a number of seconds >= {MIN_PARK_AFTER:g}, got {value!r}"
+            f"{name} must be 'auto', None or a number of seconds >= {MIN_PARK_AFTER:g}, "
+            f"got {value!r}"
         )
     return float(value)
 
@@ -185,6 +192,27 @@ def redis_url(app: Any) -> str:
     if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
         return broker.split(";")[0]
     return DEFAULT_REDIS_URL
+
+
+def park_after(app: Any) -> float | None:
+    """``ratelimit_park_after`` in seconds, "auto" worked out (None: parking is off)."""
+    value = setting("ratelimit_park_after", app)
+    if value != "auto":
+        return value  # type: ignore[no-any-return]
+    return PARK_AFTER if same_server(redis_url(app), app.conf.broker_url) else None
+
+
+def same_server(url: str, broker: Any) -> bool:
+    """Is the Redis of ``url`` the server of the broker URL ``broker`` (any database)?"""
+    if not isinstance(broker, str):
+        return False
+    first = broker.split(";")[0]
+    if not first.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    a, b = urlsplit(url), urlsplit(first)
+    if a.scheme == "unix" or b.scheme == "unix":
+        return a.scheme == b.scheme and a.path == b.path
+    return (a.hostname, a.port or 6379) == (b.hostname, b.port or 6379)
 
 
 _limiters: dict[tuple[int, str, str], Limiter] = {}

@@ -7,12 +7,13 @@
 -- KEYS[1]  sorted set: copy id -> when it is due (µs, Redis time); while a mover
 --          publishes it: when that mover's claim lapses
 -- KEYS[2]  hash: copy id -> "<due µs>|<payload>" (the payload is opaque here)
--- KEYS[3]  hash of counts, for monitoring: calls of each operation ("park", "claim",
---          "drop") and copies published ("published")
+-- KEYS[3]  hash: calls of each operation ("park", "claim", "drop") and copies published
+--          ("published"), for monitoring; "mover": when a mover last claimed (µs)
 -- ARGV[1]  "park" | "claim" | "drop"
 --
--- park   ARGV[2] copy id, ARGV[3] delay (µs from now), ARGV[4] payload.
---        Reply: when the copy is due (µs, Redis time).
+-- park   ARGV[2] copy id, ARGV[3] delay (µs from now), ARGV[4] payload, ARGV[5] how
+--        recently (µs) some mover must have claimed: a park no mover serves takes no copy.
+--        Reply: when the copy is due (µs, Redis time), or -1 if it was not parked.
 -- claim  ARGV[2] lead (µs): claim copies due within this from now;
 --        ARGV[3] lease (µs); ARGV[4] at most this many copies.
 --        Reply: {now µs, the earliest score left (µs) or -1, id, value, id, value, ...}
@@ -38,6 +39,10 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 
 if op == 'park' then
+  local mover = tonumber(redis.call('HGET', KEYS[3], 'mover') or '0')
+  if now - mover > tonumber(ARGV[5]) then
+    return -1
+  end
   local due = now + tonumber(ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[2], string.format('%.0f', due) .. '|' .. ARGV[4])
   redis.call('ZADD', KEYS[1], due, ARGV[2])
@@ -45,6 +50,7 @@ if op == 'park' then
 end
 
 if op == 'claim' then
+  redis.call('HSET', KEYS[3], 'mover', string.format('%.0f', now))
   local lapse = now + tonumber(ARGV[3])
   local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]),
     'LIMIT', 0, tonumber(ARGV[4]))

@@ -238,7 +238,12 @@ class Nodes:
 
     def clear_runs(self) -> None:
         with self.redis() as client:
-            client.delete(f"{self.prefix}:runs")
+            client.delete(f"{self.prefix}:runs", f"{self.prefix}:held")
+
+    def held(self) -> list[float]:
+        """Seconds each ETA message received so far was held before it was due."""
+        with self.redis() as client:
+            return [json.loads(raw)["ahead"] for raw in client.lrange(f"{self.prefix}:held", 0, -1)]
 
     def clear_budgets(self) -> None:
         """Forget every budget under the prefix, so a test does not start behind the

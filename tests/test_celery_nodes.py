@@ -28,7 +28,9 @@ from celery import chain, chord, group
 from kombu import Connection
 
 from celery_ratelimit import Limiter, Rate
+from celery_ratelimit._check import ETA_MARGIN
 from celery_ratelimit._limiter import PENDING, RESTAMP
+from celery_ratelimit._settings import DEFAULTS
 from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
 from tests.log_reader import entries as log_entries
 from tests.log_reader import sleep_until, us
@@ -47,6 +49,7 @@ from tests.nodes import (
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
 RATE = "10/s"
+PARK_AFTER = DEFAULTS["ratelimit_park_after"]
 DEFERRED = re.compile(r"ratelimit: deferred (\S+)\[([0-9a-f-]+)\]")
 
 
@@ -190,6 +193,39 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     # load: the benchmark measures them (rows 6 and 7); here they are printed
     print(f"[redis broker, {form}] limiter calls {calls} = {calls / len(runs):.2f} per task")
     assert figures["deferred_tasks"] > 0  # the limit deferred tasks, not only counted them
+
+
+def park_figures(client: Any, prefix: str) -> tuple[int, int, int]:
+    """Copies parked and published so far, and waiting now, in every park of ``prefix``."""
+    parked = published = waiting = 0
+    for key in client.scan_iter(match=f"{prefix}:{{park:*}}:counts"):
+        counts = client.hgetall(key)
+        parked += int(counts.get(b"park", 0))
+        published += int(counts.get(b"published", 0))
+        waiting += int(client.zcard(key.decode().rsplit(":", 1)[0] + ":due"))
+    return parked, published, waiting
+
+
+def test_a_backlog_waits_in_redis_and_nodes_hold_only_the_copies_due_within_seconds(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    """A deferral longer than ``ratelimit_park_after`` (2 s under "auto", the limiter
+    being the broker's Redis server here) is parked in Redis; the nodes' movers publish
+    each copy a second before it is due. So no node holds an ETA message due later than
+    about 2 s from when it arrived, however far the backlog reaches (60 tasks at 10/s:
+    the last are due 5 s out), and none is lost."""
+    nodes = start_nodes(rate=RATE, backend=False)
+    with nodes.redis() as client:
+        parked_before, published_before, _ = park_figures(client, nodes.prefix)
+        ids, runs = drain(nodes, "via_base", 60)
+        check_backlog(nodes, ids, runs, RATE, "parked deferrals")
+        parked, published, waiting = park_figures(client, nodes.prefix)
+    parked -= parked_before
+    assert parked > 0, "no deferral was parked"
+    assert published - published_before == parked and waiting == 0
+    held = nodes.held()
+    print(f"[parked deferrals] {parked} parked; longest ETA wait in a node {max(held):.3f} s")
+    assert held and max(held) <= PARK_AFTER + ETA_MARGIN + 0.25, sorted(held)[-5:]
 
 
 @contextmanager

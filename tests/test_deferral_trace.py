@@ -26,6 +26,8 @@ def app(redis_url: str) -> Iterator[Celery]:
     app.conf.ratelimit_redis_url = redis_url
     app.conf.ratelimit_key_prefix = f"trace-{uuid.uuid4().hex[:8]}"
     app.conf.task_default_queue = f"trace-{uuid.uuid4().hex[:8]}"
+    # copies go to the broker at once (no mover runs here), as the test reads them there
+    app.conf.ratelimit_park_after = None
     yield app
     redis.Redis.from_url(app.conf.broker_url).delete(app.conf.task_default_queue)
 

@@ -32,6 +32,7 @@ from celery_ratelimit import (
 )
 from celery_ratelimit._keys import MAX_KEY, escape_key, redis_key, render
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
+from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary
@@ -157,6 +158,18 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     limiter.reset(f"acl:a{n}", limit)
     limiter.client.time()
     limiter.client.ping()
+    # the park: a deferred copy parked, claimed by a mover, dropped once published
+    park = limiter.client.register_script(source("park"))
+    base = f"{limiter.prefix}:{{park:acl{n}}}"
+    parked = [f"{base}:due", f"{base}:copies", f"{base}:counts"]
+    try:
+        park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])  # a mover is seen
+        assert park(keys=parked, args=["park", "copy", 0, b"payload", 5_000_000]) > 0
+        claimed = park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])
+        assert claimed[2:] == [b"copy", claimed[3]] and claimed[3].endswith(b"|payload")
+        assert park(keys=parked, args=["drop", "copy"]) == 1
+    except redis.RedisError as exc:  # as _park raises it
+        raise limiter.translate(exc, "parking") from exc
 
 
 def test_an_acl_user_with_only_its_prefix_and_the_listed_commands_suffices(

@@ -4,18 +4,20 @@ Configured from the environment by the test that starts the nodes:
 CRL_BROKER, CRL_BACKEND, CRL_REDIS (limiter), CRL_PREFIX, CRL_RATE, CRL_RESERVE,
 CRL_QUEUE (default queue name).
 Every task records its execution (Redis TIME taken inside the task) in the list
-``{CRL_PREFIX}:runs`` so the test can check the windows afterwards.
+``{CRL_PREFIX}:runs`` so the test can check the windows afterwards; every message a
+node receives with an ETA is noted in ``{CRL_PREFIX}:held`` (seconds until that ETA).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
 from typing import Any
 
 import redis
-from celery import Celery, shared_task
+from celery import Celery, shared_task, signals
 
 from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
 
@@ -75,6 +77,22 @@ def record(task: Any, **extra: Any) -> int:
         ),
     )
     return now
+
+
+@signals.task_received.connect
+def note_held(request: Any = None, **_: Any) -> None:
+    """How long this node holds the message before it is due (its ETA, on this clock)."""
+    eta = request.eta
+    if not isinstance(eta, datetime.datetime):
+        return
+    global _held_client  # the consumer's own: a pool's processes have `_client`
+    if _held_client is None:
+        _held_client = redis.Redis.from_url(REDIS)
+    ahead = (eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    _held_client.rpush(f"{PREFIX}:held", json.dumps({"id": request.id, "ahead": ahead}))
+
+
+_held_client: redis.Redis | None = None
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True)

@@ -1,0 +1,188 @@
+"""The park (``_park``): deferred copies wait in a real redis-server and are published
+to a real Redis broker by the mover, at least once.
+
+The mover's steps are driven one at a time here (``move_once``); the worker-node tests
+(``test_celery_nodes``) run it inside real nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, _park, install
+from celery_ratelimit._park import move_once, park, park_calls, park_keys
+from celery_ratelimit._settings import limiter_for, park_after
+
+BROKER_DB = 5
+
+
+@pytest.fixture
+def app(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Celery]:
+    """An app on the private redis-server: broker in db 5, limiter keys under a prefix
+    of the test's own."""
+    prefix = "park-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
+    broker = redis_url.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+    app = Celery("parktest", broker=broker, set_as_current=False)
+    app.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix=prefix)
+
+    @app.task(base=RateLimitedTask, ratelimit=Limit("1/s"), name=f"{prefix}.fetch")
+    def fetch(x: int, *, region: str) -> int:
+        return x
+
+    app.conf.fetch_name = fetch.name
+
+    with redis.Redis.from_url(broker) as client:
+        client.flushdb()  # the test's own database
+    yield app
+    limiter = limiter_for(app)
+    for key in limiter.client.scan_iter(f"{prefix}:*"):
+        limiter.client.delete(key)
+
+
+def deferred_copy(app: Celery, task_id: str) -> Any:
+    """A deferred copy as ``Check.copy`` makes it: the same task, its headers, an ETA."""
+    task = app.tasks[app.conf.fetch_name]
+    return task.signature(
+        (7,),
+        {"region": "eu"},
+        task_id=task_id,
+        headers={"ratelimit_deferrals": 1, "ratelimit_token": "00ff"},
+        eta=datetime.datetime.now(datetime.timezone.utc),
+    )
+
+
+def queued(app: Celery) -> list[dict[str, Any]]:
+    """The messages in the broker's default queue, oldest first."""
+    with redis.Redis.from_url(app.conf.broker_url) as client:
+        return [json.loads(raw) for raw in reversed(client.lrange("celery", 0, -1))]
+
+
+def waiting(app: Celery) -> int:
+    limiter = limiter_for(app)
+    return int(limiter.client.zcard(park_keys(app, limiter)[0]))
+
+
+def test_a_parked_copy_is_published_a_lead_before_it_is_due_with_its_eta_in_redis_time(
+    app: Celery,
+) -> None:
+    task = app.tasks[app.conf.fetch_name]
+    limiter = limiter_for(app)
+    move_once(app)  # a mover serves the park
+    seconds, micros = limiter.client.time()
+    assert park(task, deferred_copy(app, "t-1"), 2.0)
+    due = seconds + micros / 1e6 + 2.0
+    assert waiting(app) == 1
+    assert move_once(app) <= _park.POLL
+    assert queued(app) == []  # due in 2 s: not yet
+    time.sleep(max(due - _park.LEAD - time.time(), 0) + 0.05)
+    move_once(app)
+    messages = queued(app)
+    assert len(messages) == 1
+    headers = messages[0]["headers"]
+    assert headers["id"] == "t-1"
+    assert headers["task"] == app.conf.fetch_name
+    assert headers["ratelimit_deferrals"] == 1 and headers["ratelimit_token"] == "00ff"
+    eta = datetime.datetime.fromisoformat(headers["eta"]).timestamp()
+    assert abs(eta - due) < 0.05  # the slot's instant, not the publish time
+    args, kwargs, _ = json.loads(base64.b64decode(messages[0]["body"]))
+    assert (args, kwargs) == ([7], {"region": "eu"})
+    assert waiting(app) == 0
+    counts = limiter.client.hgetall(park_keys(app, limiter)[2])
+    assert int(counts[b"park"]) == 1 and int(counts[b"published"]) == 1
+    assert park_calls(limiter.client, limiter.prefix) >= 3  # park, claims, drop
+
+
+@pytest.mark.parametrize("failure", [ConnectionError("broker down"), SystemExit(1)])
+def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    """A publish that failed (the copy stays claimed) and a mover that died between its
+    claim and its publish (``SystemExit`` out of ``move_once``) lose no copy."""
+    monkeypatch.setattr(_park, "LEASE", 1.5)
+    move_once(app)
+    assert park(app.tasks[app.conf.fetch_name], deferred_copy(app, "t-2"), 1.6)
+    time.sleep(0.7)  # due within the lead
+
+    def fail(*_: Any) -> None:
+        raise failure
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_park, "_publish", fail)
+        with pytest.raises(SystemExit) if isinstance(failure, SystemExit) else nullcontext():
+            move_once(app)
+    assert queued(app) == [] and waiting(app) == 1
+    move_once(app)  # claimed by the first mover until its claim lapses
+    assert queued(app) == []
+    time.sleep(_park.LEASE - _park.LEAD + 0.1)
+    move_once(app)
+    assert [m["headers"]["id"] for m in queued(app)] == ["t-2"]
+    assert waiting(app) == 0
+
+
+def test_a_park_no_mover_serves_takes_no_copy(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mover claimed lately (no node runs one: an in-process test worker, or every
+    node down): the copy is not parked, so the caller publishes it to the broker."""
+    task = app.tasks[app.conf.fetch_name]
+    assert not park(task, deferred_copy(app, "t-3"), 3.0)
+    assert waiting(app) == 0
+    move_once(app)
+    assert park(task, deferred_copy(app, "t-3"), 3.0)
+    monkeypatch.setattr(_park, "MOVER_SEEN", 0.2)
+    time.sleep(0.3)
+    assert not park(task, deferred_copy(app, "t-4"), 3.0)
+    assert waiting(app) == 1
+
+
+def test_parks_of_two_brokers_are_apart(app: Celery, redis_url: str) -> None:
+    other = Celery("parktest", broker=redis_url.rsplit("/", 1)[0] + "/6", set_as_current=False)
+    other.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix="x")
+    limiter = limiter_for(app)
+    assert park_keys(app, limiter) != park_keys(other, limiter)
+    assert len({k.split("}")[0] for k in park_keys(app, limiter)}) == 1  # one hash tag
+
+
+@pytest.mark.parametrize(
+    ("broker", "limiter", "expected"),
+    [
+        ("redis://127.0.0.1:6379/1", None, 2.0),  # the limiter defaults to the broker
+        ("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6379/0", 2.0),  # same server
+        ("redis://h:6379/1", "redis://h/3", 2.0),
+        ("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6380/0", None),  # another server
+        ("amqp://guest:guest@127.0.0.1:5672//", "redis://127.0.0.1:6379/0", None),
+    ],
+)
+def test_auto_parks_only_where_the_broker_keeps_its_own_messages(
+    broker: str, limiter: str | None, expected: float | None
+) -> None:
+    """Under "auto" a copy is parked only in the broker's own Redis server, so that a
+    parked copy is as durable as a published one; elsewhere parking is asked for."""
+    app = Celery("auto", broker=broker, set_as_current=False)
+    if limiter:
+        app.conf.ratelimit_redis_url = limiter
+    assert park_after(app) == expected
+    app.conf.ratelimit_park_after = 5
+    assert park_after(app) == 5.0
+
+
+@pytest.mark.parametrize("value", [1.0, 0, -3, "2", True, float("inf")])
+def test_a_bad_park_after_is_refused_at_install_naming_the_value(value: Any) -> None:
+    app = Celery("bad", set_as_current=False)
+    app.conf.ratelimit_park_after = value
+    with pytest.raises(InvalidLimit, match="ratelimit_park_after must be 'auto', None"):
+        install(app)
+
+
+def test_park_after_none_is_accepted(app: Celery) -> None:
+    app.conf.ratelimit_park_after = None
+    install(app)
