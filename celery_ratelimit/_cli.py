@@ -105,11 +105,10 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
 
 
 def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[str]:
-    from . import _ops
 
     limiter = limiter_from(app, url, prefix)
     try:
-        deleted = _ops.reset(limiter, key)
+        deleted = limiter.reset(key)
     finally:
         limiter.client.close()
     if not deleted:

@@ -9,10 +9,10 @@ from typing import Any
 
 from ._decision import Decision
 from ._exceptions import InvalidLimit
+from ._layout import KeyName, parse_key
 from ._limit import Limit
 from ._limiter import PEEK, REDIS_ERRORS
 from ._ops import (
-    KeyName,
     KeyStatus,
     app_tasks,
     counter_status,
@@ -20,7 +20,6 @@ from ._ops import (
     in_seconds,
     limiter_for_app,
     log_status,
-    parse_key,
     server_now_us,
     task_limits,
 )

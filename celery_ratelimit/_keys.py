@@ -1,9 +1,8 @@
 """Redis key names: one prefix, one Cluster hash tag per call, escaped user input.
 
 A limit key such as ``"yt:quota:key1"`` becomes
-``ratelimit:{yt}:quota:key1:log:86400000000`` — prefix, the first segment as the
-Redis Cluster hash tag (so every limit of one call lands in one slot), the rest, the
-algorithm and the window in microseconds (two windows on one key are two budgets).
+``ratelimit:{yt}:quota:key1:log:86400000000`` (see ``_layout``): prefix, the first
+segment as the Redis Cluster hash tag, the rest, the algorithm and the window.
 
 Values taken from task arguments are escaped before they enter a template: every
 byte outside ``[A-Za-z0-9_.@-]`` becomes ``%XX``, so a value can contain neither a
@@ -20,7 +19,6 @@ import string
 from collections.abc import Mapping
 
 from ._exceptions import InvalidLimit
-from ._limit import Limit
 
 MAX_PART = 64
 MAX_KEY = 200
@@ -88,10 +86,3 @@ def render(template: str, arguments: Mapping[str, object], args: tuple[object, .
             )
         pieces.append(escape_part(value))
     return _bounded("".join(pieces))
-
-
-def redis_key(prefix: str, key: str, limit: Limit) -> str:
-    """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
-    tag, _, rest = key.partition(":")
-    tail = f":{rest}" if rest else ""
-    return f"{prefix}:{{{tag}}}{tail}:{limit.algorithm}:{limit.rate.window_us}"

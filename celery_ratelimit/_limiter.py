@@ -12,7 +12,8 @@ from ._client import HeldConnection, client_from_url
 from ._decision import TOKEN_BYTES, Decision, token_bytes_of
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
 from ._failures import not_redis_error, redis_versions, translate, version_error
-from ._keys import escape_key, redis_key
+from ._keys import escape_key
+from ._layout import PENDING, keys_of, redis_key
 from ._limit import Limit, LimitSpec, describe, to_limits
 from ._scripts import pack_numbers, source
 
@@ -22,8 +23,6 @@ ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP = 0, 1, 2, 3, 4, 5
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
 
 DEFAULT_PREFIX = "ratelimit"
-#: Suffix of the key holding a log's pending reservations (see lua/sliding_log.lua).
-PENDING = ":r"
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
@@ -167,13 +166,25 @@ class Limiter:
         token_bytes_of(token)
         self._call(key, to_limits(limits), cost, RELEASE, token=token)
 
-    def reset(self, key: str, limits: LimitSpec) -> int:
-        """Forget everything counted for ``key`` under ``limits``; returns keys deleted."""
+    def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
+        """Forget everything counted for ``key`` under ``limits``, or under every window
+        and algorithm of ``key`` when ``limits`` is None (what ``celery ratelimit reset
+        KEY`` does). Returns the Redis keys deleted (their pending sets go with them).
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
         try:
-            keys = self.keys_for(key, limits)
+            if limits is None:
+                keys = keys_of(self.client, self.prefix, key)
+            else:
+                keys = self.keys_for(key, limits)
+            deleted = []
             for k in keys:
                 self.client.delete(k + PENDING)
-            return sum(int(self.client.delete(k)) for k in keys)
+                if self.client.delete(k):
+                    deleted.append(k)
+            return deleted
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a reset") from exc
 

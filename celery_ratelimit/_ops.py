@@ -1,7 +1,7 @@
 """Operations behind both command lines: ``status`` and ``reset KEY`` (``explain TASK``
 is in ``_explain``, built on these).
 
-Nothing here writes to Redis except :func:`reset`. ``status`` reads the keys as they
+Nothing here writes to Redis (``Limiter.reset`` forgets a key). ``status`` reads the keys as they
 are (the log's sorted sets, the counter's hashes) and asks the scripts in peek mode,
 which count nothing.
 
@@ -20,56 +20,14 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ._keys import escape_key
+from ._layout import COUNTER_FIELDS, KeyName, log_entries, parse_key, prefix_glob
 from ._limit import Limit, to_limits
-from ._limiter import PEEK, PENDING, REDIS_ERRORS, Limiter
+from ._limiter import PEEK, REDIS_ERRORS, Limiter
 from ._rate import Rate
 from ._settings import redis_url, setting
 
-#: Scores below this are the log's meta members (running total...), not entries.
-ENTRY_FLOOR = 10**13
-TOKEN_LEN = 8
 #: What an escaped argument value can look like inside a key (see _keys.escape_part).
 _VALUE = r"[A-Za-z0-9_.@%#-]+"
-_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
-
-
-# -- key names ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyName:
-    """A Redis key split into the logical key, the algorithm and the window."""
-
-    redis_key: str
-    key: str
-    algorithm: str
-    window_us: int
-
-
-def parse_key(prefix: str, redis_key: str) -> KeyName | None:
-    """Split ``{prefix}:{tag}:rest:{algorithm}:{window_us}``; None if it is not one."""
-    head = f"{prefix}:{{"
-    if not redis_key.startswith(head):
-        return None
-    tag, brace, tail = redis_key[len(head) :].partition("}")
-    if not brace:
-        return None
-    rest, _, window = tail.rpartition(":")
-    rest, _, algorithm = rest.rpartition(":")
-    if algorithm not in ("log", "counter") or not window.isdigit():
-        return None
-    return KeyName(redis_key, tag + rest, algorithm, int(window))
-
-
-def _glob(text: str) -> str:
-    return _GLOB_SPECIAL.sub(r"\\\1", text)
-
-
-def key_glob(prefix: str, key: str) -> str:
-    """A SCAN pattern for every window and algorithm of the logical ``key``."""
-    tag, _, rest = escape_key(key).partition(":")
-    tail = f":{rest}" if rest else ""
-    return f"{_glob(prefix)}:{{{_glob(tag)}}}{_glob(tail)}:*"
 
 
 # -- limits known from the app -----------------------------------------------------------
@@ -166,23 +124,15 @@ class KeyStatus:
     ttl: float | None = None
 
 
-def _weight(member: bytes) -> int:
-    return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
-
-
 def server_now_us(client: Any) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1_000_000 + int(micros)
 
 
 def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
-    rows = client.zrangebyscore(name.redis_key, f"({now - name.window_us}", "+inf", withscores=True)
     status = KeyStatus(name, used=0)
     oldest = None
-    for member, score in rows:
-        if score < ENTRY_FLOOR:
-            continue
-        weight = _weight(member)
+    for score, weight in log_entries(client, name.redis_key, after=now - name.window_us):
         if score > now:
             status.reserved += weight
             status.reservations += 1
@@ -195,7 +145,7 @@ def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
 
 
 def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
-    w, c, p = client.hmget(name.redis_key, "w", "c", "p")
+    w, c, p = client.hmget(name.redis_key, *COUNTER_FIELDS)
     window = name.window_us
     wid = now // window
     current = float(c or 0)
@@ -231,7 +181,7 @@ def status(
         names = sorted(
             (
                 name
-                for k in client.scan_iter(f"{_glob(limiter.prefix)}:*")
+                for k in client.scan_iter(prefix_glob(limiter.prefix))
                 if (name := parse_key(limiter.prefix, _text(k))) is not None
                 and (match is None or fnmatchcase(name.key, match))
             ),
@@ -320,38 +270,11 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     return lines
 
 
-# -- reset ---------------------------------------------------------------------------------
-
-
-def reset(limiter: Limiter, key: str) -> list[str]:
-    """Delete every Redis key of the logical ``key`` (all windows and algorithms).
-
-    Returns the deleted Redis keys.
-
-    Raises:
-        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``_failures``).
-    """
-    wanted = escape_key(key)
-    try:
-        found = [
-            _text(k)
-            for k in limiter.client.scan_iter(key_glob(limiter.prefix, key))
-            if (name := parse_key(limiter.prefix, _text(k))) is not None and name.key == wanted
-        ]
-        for redis_key in found:
-            limiter.client.delete(redis_key, redis_key + PENDING)
-    except REDIS_ERRORS as exc:
-        raise limiter.translate(exc, "a reset") from exc
-    return sorted(found)
-
-
 __all__ = [
     "KeyName",
     "KeyStatus",
     "KnownLimit",
     "format_status",
     "known_limits",
-    "parse_key",
-    "reset",
     "status",
 ]

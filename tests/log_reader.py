@@ -9,26 +9,20 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-#: Entry scores are microsecond instants; meta members score below this.
-ENTRY_FLOOR = 10**13
-TOKEN_LEN = 8
+from celery_ratelimit import _layout
 
-
-def weight_of(member: bytes) -> int:
-    """An entry's weight: 1, or the number after the 8-byte token and a dot."""
-    return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
+# the layout of a log, as the package reads it
+ENTRY_FLOOR, TOKEN_LEN, weight_of = _layout.ENTRY_FLOOR, _layout.TOKEN_LEN, _layout.weight_of
 
 
 def entries(client: redis.Redis, key: str) -> list[tuple[int, int]]:
     """``(instant_us, weight)`` of every entry in the log ``key``, oldest first."""
-    rows = client.zrangebyscore(key, ENTRY_FLOOR, "+inf", withscores=True)
-    return [(int(score), weight_of(member)) for member, score in rows]
+    return _layout.log_entries(client, key)
 
 
 def total(client: redis.Redis, key: str) -> int:
     """The running total weight the script keeps for ``key`` (0 when absent)."""
-    score = client.zscore(key, "")
-    return int(score) if score is not None else 0
+    return _layout.log_total(client, key)
 
 
 def us(seconds: float) -> int:

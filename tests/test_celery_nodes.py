@@ -29,7 +29,8 @@ from kombu import Connection
 
 from celery_ratelimit import Limiter, Rate, _settings
 from celery_ratelimit._check import ETA_MARGIN
-from celery_ratelimit._limiter import PENDING, RESTAMP
+from celery_ratelimit._layout import PENDING
+from celery_ratelimit._limiter import RESTAMP
 from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
 from tests.log_reader import entries as log_entries
 from tests.log_reader import sleep_until, us

@@ -197,8 +197,11 @@ def test_reset_forgets_the_key(limiter: Limiter, redis_client: redis.Redis) -> N
     rates = [Limit("1/s"), Limit("1/m")]
     assert limiter.acquire("reset", rates).allowed
     assert not limiter.acquire("reset", rates).allowed
-    assert limiter.reset("reset", rates) == 2
+    assert limiter.reset("reset", rates) == limiter.keys_for("reset", rates)
     assert limiter.acquire("reset", rates).allowed
+    limiter.acquire("reset", "5/h", reserve=True)  # another window of the key
+    assert len(limiter.reset("reset")) == 3  # every window and algorithm of the key
+    assert limiter.reset("reset") == []
 
 
 # -- several limits ------------------------------------------------------------------------

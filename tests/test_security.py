@@ -30,7 +30,8 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
-from celery_ratelimit._keys import MAX_KEY, escape_key, redis_key, render
+from celery_ratelimit._keys import MAX_KEY, escape_key, render
+from celery_ratelimit._layout import redis_key
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings

@@ -1,0 +1,126 @@
+"""Where the limiter's data sits in Redis: the one definition on the Python side.
+
+The scripts write this layout (each ``lua/*.lua`` header states it, and
+``tests/test_layout.py`` checks the constants here against the scripts' own). Key names
+are built here for ``Limiter``; ``status``, ``explain``, ``reset``, the park and the
+tests read Redis through here.
+
+Keys
+    ``{prefix}:{tag}:rest:{algorithm}:{window_us}``: a limit of ``window_us`` on the
+    logical key ``tag:rest`` (escaped; its first segment, in braces, is the Redis
+    Cluster hash tag, so all limits of one call share a slot). The log's pending set
+    (reservations whose task has not started) is that name + :data:`PENDING`. The park
+    of a broker: ``{prefix}:{park:<digest>}:`` + ``due`` / ``copies`` / ``counts``.
+
+The log (``algorithm="log"``), a sorted set
+    One entry per granted or reserved call: member = the call's 8-byte token, then
+    ``"." + weight`` when the weight is not 1; score = its instant, µs of Redis time.
+    Meta members score below :data:`ENTRY_FLOOR`: ``""`` the running total weight,
+    ``"+"`` minus the newest entry's instant, ``"="`` the weight every entry has (0 once
+    mixed), ``"~"`` minus the instant the key's ``PEXPIRE`` runs out.
+
+The counter (``algorithm="counter"``), a hash
+    ``w`` the current fixed window's number (instant // window), ``c`` its count, ``p``
+    the previous window's count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ._keys import escape_key
+from ._limit import Limit
+
+#: Scores below this are the log's meta members, not entries (entries are instants).
+ENTRY_FLOOR = 10**13
+#: Bytes of a token, the start of every entry's member.
+TOKEN_LEN = 8
+#: The log's meta members: total, minus the newest instant, uniform weight, minus expiry.
+META_MEMBERS = ("", "+", "=", "~")
+#: The counter's hash fields: window number, its count, the previous window's count.
+COUNTER_FIELDS = ("w", "c", "p")
+#: Suffix of a log key's pending set.
+PENDING = ":r"
+ALGORITHMS = ("log", "counter")
+
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+def redis_key(prefix: str, key: str, limit: Limit) -> str:
+    """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
+    tag, _, rest = key.partition(":")
+    tail = f":{rest}" if rest else ""
+    return f"{prefix}:{{{tag}}}{tail}:{limit.algorithm}:{limit.rate.window_us}"
+
+
+@dataclass(frozen=True)
+class KeyName:
+    """A Redis key split into the logical key, the algorithm and the window."""
+
+    redis_key: str
+    key: str
+    algorithm: str
+    window_us: int
+
+
+def parse_key(prefix: str, name: str) -> KeyName | None:
+    """Split ``{prefix}:{tag}:rest:{algorithm}:{window_us}``; None if it is not one."""
+    head = f"{prefix}:{{"
+    if not name.startswith(head):
+        return None
+    tag, brace, tail = name[len(head) :].partition("}")
+    if not brace:
+        return None
+    rest, _, window = tail.rpartition(":")
+    rest, _, algorithm = rest.rpartition(":")
+    if algorithm not in ALGORITHMS or not window.isdigit():
+        return None
+    return KeyName(name, tag + rest, algorithm, int(window))
+
+
+def key_glob(prefix: str, key: str) -> str:
+    """A SCAN pattern for every window and algorithm of the logical ``key``."""
+    tag, _, rest = escape_key(key).partition(":")
+    tail = f":{rest}" if rest else ""
+    return f"{_glob(prefix)}:{{{_glob(tag)}}}{_glob(tail)}:*"
+
+
+def prefix_glob(prefix: str) -> str:
+    """A SCAN pattern for every key under ``prefix``."""
+    return f"{_glob(prefix)}:*"
+
+
+def _glob(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def keys_of(client: Any, prefix: str, key: str) -> list[str]:
+    """Every Redis key of the logical ``key`` (all windows and algorithms), sorted."""
+    wanted = escape_key(key)
+    found = []
+    for raw in client.scan_iter(key_glob(prefix, key)):
+        name = parse_key(prefix, raw.decode() if isinstance(raw, bytes) else raw)
+        if name is not None and name.key == wanted:
+            found.append(name.redis_key)
+    return sorted(found)
+
+
+def weight_of(member: bytes) -> int:
+    """A log entry's weight: 1, or the number after its token and a dot."""
+    return int(member[TOKEN_LEN + 1 :]) if len(member) > TOKEN_LEN else 1
+
+
+def log_entries(client: Any, key: str, after: int | None = None) -> list[tuple[int, int]]:
+    """``(instant_us, weight)`` of the entries of the log ``key`` later than ``after``
+    (all if None), oldest first."""
+    low = ENTRY_FLOOR if after is None else f"({max(after, ENTRY_FLOOR)}"
+    rows = client.zrangebyscore(key, low, "+inf", withscores=True)
+    return [(int(score), weight_of(member)) for member, score in rows]
+
+
+def log_total(client: Any, key: str) -> int:
+    """The running total weight the script keeps for the log ``key`` (0 when absent)."""
+    score = client.zscore(key, META_MEMBERS[0])
+    return int(score) if score is not None else 0
