@@ -27,7 +27,9 @@ from benchmarks import (
     bench_scale,
     bench_script_scale,
     curves,
+    docs_tables,
 )
+from benchmarks.docs_tables import markdown
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._rate import Rate
 
@@ -200,9 +202,12 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         for d in r["drains"]:
             tag = f"{d['multiple']}x the limit [{r['broker']}{'' if parked else ', not parked'}]"
             grown = max(d["peak_node_rss_mb"]) - max(r["idle_node_rss_mb"])
+            held = max(d["peak_consumer_rss_mb"]) - max(r["idle_consumer_rss_mb"])
             if not parked:
                 add(f"10. anchor: node memory above idle, MB, backlog {tag}", grown, "anchor", None)
+                add(f"10. anchor: consumer memory above idle, MB, {tag}", held, "anchor", None)
                 continue
+            add(f"10. consumer memory above idle, MB, backlog {tag}", held, "bounded", None)
             add(
                 f"10. drain / ideal, backlog {tag}",
                 d["drain_over_ideal"],
@@ -308,6 +313,17 @@ def main() -> None:
         print(f"{name:{width}}  {value:>9}  {target:>8}  {verdict}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "all.json").write_text(json.dumps(results, indent=1) + "\n")
+    shown = [(n, v, f"{t} ({verdict})" if verdict else t) for n, v, t, verdict in table]
+    docs_tables.write(
+        "all rows",
+        [
+            f"{results['machine']}, Redis {results['limiter']['redis_version']}, "
+            f"{results['seconds']:.0f} s:",
+            "",
+            *markdown(("figure", "measured", "target"), shown),
+        ],
+    )
+    docs_tables.write("row 10", bench_scale.table(results["scale"]))
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
     if curves.plot(results["scale"], results["script_scale"], RESULTS / "scale.png"):

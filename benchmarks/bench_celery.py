@@ -33,6 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import kombu.pools
+
 from celery_ratelimit._demo import max_in_window
 from celery_ratelimit._embedded import RedisServer, WorkerNodes
 from celery_ratelimit._park import park_calls
@@ -120,6 +122,9 @@ class Bench:
             app._pool.force_close_all()
         app._pool = None
         app.amqp._producer_pool = None
+        # kombu keeps pools per connection URL: a later server on a port this one had
+        # would get this closed pool back
+        kombu.pools.reset()
 
     def _processes(self) -> dict[str, list[Any]]:
         """The processes whose CPU a task costs, by role (psutil), or {} without psutil."""

@@ -19,21 +19,24 @@ import math
 import threading
 from typing import Any
 
+from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS, Bench, rabbitmq_reachable
+from benchmarks.docs_tables import markdown
 from celery_ratelimit._rate import Rate
 
 RATE = "50/s"
 MULTIPLES = (10, 50, 100)
 
 
-def node_rss_mb(bench: Bench) -> list[float]:
-    """Each node's resident memory, its pool included, in MB."""
+def node_rss_mb(bench: Bench, pool: bool = True) -> list[float]:
+    """Each node's resident memory in MB: its main process (the consumer, which holds
+    the messages a node has fetched), and with ``pool`` its pool processes too."""
     import psutil
 
     sizes = []
     for proc in bench.nodes.procs:
         main = psutil.Process(proc.pid)
-        tree = [main, *main.children(recursive=True)]
+        tree = [main, *main.children(recursive=True)] if pool else [main]
         sizes.append(sum(p.memory_info().rss for p in tree) / 2**20)
     return sizes
 
@@ -42,12 +45,15 @@ def drain(bench: Bench, rate: Rate, multiple: int) -> dict[str, Any]:
     count = multiple * rate.limit
     ideal = (math.ceil(count / rate.limit) - 1) * rate.window
     peak = [0.0] * len(bench.nodes.procs)
+    peak_main = [0.0] * len(bench.nodes.procs)
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.25):
             for i, mb in enumerate(node_rss_mb(bench)):
                 peak[i] = max(peak[i], mb)
+            for i, mb in enumerate(node_rss_mb(bench, pool=False)):
+                peak_main[i] = max(peak_main[i], mb)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -69,6 +75,7 @@ def drain(bench: Bench, rate: Rate, multiple: int) -> dict[str, Any]:
         "starts_over_limit": r["max_starts_per_window"] / rate.limit,
         "server_usec_per_call": r["limiter_usec_per_call"],
         "peak_node_rss_mb": [round(mb, 1) for mb in peak],
+        "peak_consumer_rss_mb": [round(mb, 1) for mb in peak_main],
     }
 
 
@@ -83,6 +90,7 @@ def run(
     try:
         bench.nodes.start(bench.tasks.app)
         idle = [round(mb, 1) for mb in node_rss_mb(bench)]
+        idle_consumer = [round(mb, 1) for mb in node_rss_mb(bench, pool=False)]
         drains = [drain(bench, parsed, m) for m in multiples]
     finally:
         bench.close()
@@ -91,6 +99,7 @@ def run(
         "rate": rate,
         "parked": park_after != "none",
         "idle_node_rss_mb": idle,
+        "idle_consumer_rss_mb": idle_consumer,
         "drains": drains,
     }
 
@@ -105,6 +114,40 @@ def run_all(rate: str = RATE) -> list[dict[str, Any]]:
     return results
 
 
+def table(results: list[dict[str, Any]]) -> list[str]:
+    """The markdown table of docs/benchmarks.md, row 10."""
+    rows = []
+    for r in results:
+        idle = max(r["idle_node_rss_mb"])
+        consumer = max(r["idle_consumer_rss_mb"])
+        for d in r["drains"]:
+            peak = d["peak_node_rss_mb"]
+            rows.append(
+                (
+                    "Redis" if r["broker"] == "redis" else "RabbitMQ",
+                    f"{d['multiple']}x ({d['backlog']:,})"
+                    + ("" if r.get("parked", False) else ", not parked (anchor)"),
+                    f"{d['calls_per_task']:.2f}",
+                    f"{d['publishes_per_task']:.2f}",
+                    f"{d['drain_over_ideal']:.2f}" if d["drain_over_ideal"] else "n/a",
+                    f"{d['starts_over_limit']:.2f}",
+                    f"{min(peak):.0f}-{max(peak):.0f} MB (idle {idle:.0f})",
+                    f"{max(d['peak_consumer_rss_mb']):.0f} MB (idle {consumer:.0f})",
+                )
+            )
+    header = (
+        "broker",
+        "backlog",
+        "limiter calls / task",
+        "publishes / task",
+        "drain / ideal",
+        "most starts in a window / limit",
+        "peak node RSS",
+        "peak consumer RSS",
+    )
+    return markdown(header, rows, right=2)
+
+
 def label(run: dict[str, Any]) -> str:
     return "parked" if run.get("parked", False) else "anchor: not parked"
 
@@ -116,6 +159,7 @@ def main() -> None:
     results = run_all(args.rate)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    docs_tables.write("row 10", table(results))
     for r in results:
         print(
             f"{r['broker']} broker, {r['rate']}, {label(r)}; idle nodes {r['idle_node_rss_mb']} MB"
@@ -125,7 +169,8 @@ def main() -> None:
                 f"  {d['multiple']:>3}x ({d['backlog']} tasks): calls/task "
                 f"{d['calls_per_task']:.2f}, publishes/task {d['publishes_per_task']:.2f}, "
                 f"drain/ideal {d['drain_over_ideal']}, starts/limit {d['starts_over_limit']:.2f}, "
-                f"peak node RSS {d['peak_node_rss_mb']} MB"
+                f"peak node RSS {d['peak_node_rss_mb']} MB, consumer "
+                f"{d['peak_consumer_rss_mb']} MB"
             )
 
 

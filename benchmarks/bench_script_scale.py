@@ -24,7 +24,7 @@ from benchmarks.bench_celery import RESULTS
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
-from celery_ratelimit._scripts import MAX_HORIZON, pack_numbers
+from celery_ratelimit._scripts import MAX_HORIZON, Shape
 
 LIMITS = (10, 100, 1_000, 10_000, 100_000)
 PENDING = 10_000
@@ -45,7 +45,7 @@ def _send(
     for start in range(0, len(calls), BATCH):
         pipe = client.pipeline(transaction=False)
         for mode, cost, token in calls[start : start + BATCH]:
-            numbers = pack_numbers((limit,), cost, mode, MAX_HORIZON, 0.03, 0.2)
+            numbers = Shape((limit,), cost, mode, MAX_HORIZON, 0.03, 0.2).numbers
             pipe.evalsha(sha, len(every), *every, token, numbers)
         replies += pipe.execute()
     return replies

@@ -29,6 +29,7 @@ from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
+from ._scripts import shape
 from ._settings import limiter_for, park_after, setting
 
 logger = logging.getLogger("celery_ratelimit")
@@ -101,6 +102,9 @@ class Check:
         )
         self.first_mode = RESERVE if reserve else ACQUIRE
         self.mode = self.first_mode
+        self.shape = shape(
+            plan.limits, self.costs, self.mode, self.max_countdown, self.guard, MAX_IN_PROCESS_WAIT
+        )
         self.tolerance = start_tolerance(plan.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
         self.restamps = 0
@@ -115,16 +119,7 @@ class Check:
         self.restamps = self.restamps + 1 if restamp else 0
         self.sent = time.monotonic()
         sent = time.time()
-        decision = self.limiter._call(
-            self.keys,
-            self.plan.limits,
-            self.costs,
-            self.mode,
-            token=token,
-            horizon=self.max_countdown,
-            guard=self.guard,
-            hold=MAX_IN_PROCESS_WAIT,
-        )
+        decision = self.limiter._call(self.keys, self.shape.with_mode(self.mode), token=token)
         answered = time.time()
         observe(decision, sent, answered)
         if self.metrics is not None:
@@ -335,7 +330,7 @@ class Check:
         wastes budget."""
         if token:
             with contextlib.suppress(LimiterUnavailable, LimiterMisconfigured):
-                self.limiter._call(self.keys, self.plan.limits, self.costs, RELEASE, token=token)
+                self.limiter._call(self.keys, self.shape.with_mode(RELEASE), token=token)
 
 
 @dataclass(frozen=True)

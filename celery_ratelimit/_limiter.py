@@ -15,7 +15,7 @@ from ._failures import not_redis_error, redis_versions, translate, version_error
 from ._keys import escape_key
 from ._layout import PENDING, keys_of, redis_key
 from ._limit import Limit, LimitSpec, describe, to_limits
-from ._scripts import pack_numbers, source
+from ._scripts import DEFAULT_HORIZON, Shape, shape, source
 
 #: Script modes (the first of the packed numbers, ARGV[2]); see the header of lua/sliding_log.lua.
 ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP = 0, 1, 2, 3, 4, 5
@@ -26,8 +26,6 @@ DEFAULT_PREFIX = "ratelimit"
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
-#: Reservations are never made further ahead than this by default (seconds).
-DEFAULT_HORIZON = 3600.0
 #: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
 
@@ -66,11 +64,10 @@ class Limiter:
         held = HeldConnection.for_client(client)
         # the script's EVALSHA: on a connection held for it when the client allows
         self._send = held.call if held is not None else client.execute_command
-        # what one call shape sends, (key, limits, cost, mode, horizon, guard, hold) ->
-        # (the script's keys, its packed numbers), worked out and checked once: escaping,
-        # formatting and packing are most of a decision's Python, and a process decides
-        # for few distinct shapes
-        self._sends: dict[tuple[Any, ...], tuple[list[str], bytes]] = {}
+        # the script's keys for (key, shape), worked out and checked once: escaping and
+        # formatting are most of a decision's Python, and a process decides for few
+        # distinct keys and shapes
+        self._sends: dict[tuple[Any, Shape], tuple[list[str], bytes]] = {}
 
     @classmethod
     def from_url(
@@ -128,13 +125,12 @@ class Limiter:
             LimiterMisconfigured: Redis refuses the limiter (a permission, a password,
                 its version): the message names the fix.
         """
-        return self._call(
-            key, to_limits(limits), cost, RESERVE if reserve else ACQUIRE, horizon=horizon
-        )
+        mode = RESERVE if reserve else ACQUIRE
+        return self._call(key, shape(to_limits(limits), cost, mode, horizon))
 
     def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
         """What :meth:`acquire` would answer now, without counting anything."""
-        return self._call(key, to_limits(limits), cost, PEEK)
+        return self._call(key, shape(to_limits(limits), cost, PEEK))
 
     def confirm(
         self,
@@ -155,7 +151,7 @@ class Limiter:
             InvalidLimit: ``token`` is not a token the limiter wrote, or a bad horizon.
         """
         token_bytes_of(token)
-        return self._call(key, to_limits(limits), cost, CONFIRM, token=token, horizon=horizon)
+        return self._call(key, shape(to_limits(limits), cost, CONFIRM, horizon), token=token)
 
     def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
         """Give back a reservation that will not be used (a revoked or expired task).
@@ -164,7 +160,7 @@ class Limiter:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
         token_bytes_of(token)
-        self._call(key, to_limits(limits), cost, RELEASE, token=token)
+        self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
 
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window
@@ -268,26 +264,22 @@ class Limiter:
     def _call(
         self,
         key: str | tuple[str, ...],
-        limits: tuple[Limit, ...],
-        cost: int | Sequence[int],
-        mode: int,
+        shape: Shape,
         *,
         token: str | None = None,
-        horizon: float = DEFAULT_HORIZON,
-        guard: float = 0.0,
-        hold: float = 0.0,
         redis_keys: list[str] | None = None,
     ) -> Decision:
-        """One decision for ``key``: a code-given key, or a tuple of escaped keys, one
-        per limit (as :meth:`keys_for` takes them); or, when ``redis_keys`` are given
-        (from :meth:`keys_for`, or found by a scan), for them (``key`` is then ``()``).
+        """One decision of ``shape`` for ``key``: a code-given key, or a tuple of escaped
+        keys, one per limit (as :meth:`keys_for` takes them); or, when ``redis_keys``
+        are given (from :meth:`keys_for`, or found by a scan), for them (``key`` is
+        then ``()``).
 
-        ``cost`` is one cost for every limit, or one per limit (a units quota and a
-        per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
-        used) widens the windows in which calls are *placed*, while a confirmed
-        reservation starts as soon as its cost fits a window only half of it wider:
-        a task that starts up to half of ``guard`` after its slot costs no extra wait,
-        and bodies that begin up to half of it after their recorded start still
+        The shape's ``cost`` is one cost for every limit, or one per limit (a units
+        quota and a per-call cap checked together). ``guard`` (seconds; at most 4% of
+        each window is used) widens the windows in which calls are *placed*, while a
+        confirmed reservation starts as soon as its cost fits a window only half of it
+        wider: a task that starts up to half of ``guard`` after its slot costs no extra
+        wait, and bodies that begin up to half of it after their recorded start still
         never put more than the limit in a window (the Celery layer's
         ``ratelimit_guard``).
 
@@ -297,25 +289,15 @@ class Limiter:
         with no second call (the Celery layer waits in-process up to 0.2 s).
         """
         if redis_keys is None:
-            every, numbers = self._prepared(key, limits, cost, mode, horizon, guard, hold)
+            every, numbers = self._prepared(key, shape)
         else:
-            every = self._every(redis_keys, limits)
-            numbers = pack_numbers(limits, cost, mode, horizon, guard, hold)
+            every, numbers = self._every(redis_keys, shape.limits), shape.numbers
         token_bytes = token_bytes_of(token) if token else os.urandom(TOKEN_BYTES)
-        decision = self._run(every, numbers, limits, token_bytes)
+        decision = self._run(every, numbers, shape.limits, token_bytes)
         if decision is None:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
-            return self._call(
-                key,
-                limits,
-                cost,
-                RESERVE,
-                horizon=horizon,
-                guard=guard,
-                hold=hold,
-                redis_keys=redis_keys,
-            )
+            return self._call(key, shape.with_mode(RESERVE), redis_keys=redis_keys)
         return decision
 
     def decide(
@@ -333,55 +315,25 @@ class Limiter:
         """:meth:`_call` for callers that hold Redis ``keys`` (from :meth:`keys_for`, or
         found by a scan): worked out afresh on every call."""
         return self._call(
-            (),
-            limits,
-            cost,
-            mode,
-            token=token,
-            horizon=horizon,
-            guard=guard,
-            hold=hold,
-            redis_keys=keys,
+            (), shape(limits, cost, mode, horizon, guard, hold), token=token, redis_keys=keys
         )
 
-    def _prepared(
-        self,
-        key: str | tuple[str, ...],
-        limits: tuple[Limit, ...],
-        cost: int | Sequence[int],
-        mode: int,
-        horizon: float,
-        guard: float,
-        hold: float,
-    ) -> tuple[list[str], bytes]:
-        """The script's keys and packed numbers for one call shape, worked out and
-        checked on its first call and remembered for the last few thousand shapes."""
-        # only exact ints are remembered: a bool or a float would hash like an int
-        exact: int | tuple[int, ...] | None = None
-        if type(cost) is int:
-            exact = cost
-        elif type(cost) is tuple or type(cost) is list:
-            exact = cost if type(cost) is tuple else tuple(cost)
-            for one in exact:
-                if type(one) is not int:
-                    exact = None
-                    break
-        shape = None if exact is None else (key, limits, exact, mode, horizon, guard, hold)
-        if shape is not None:
+    def _prepared(self, key: str | tuple[str, ...], shape: Shape) -> tuple[list[str], bytes]:
+        """The script's keys and packed numbers for ``key`` under ``shape``, worked out
+        and checked on their first call and remembered for the last few thousand."""
+        remembered = (key, shape) if shape.cacheable else None
+        if remembered is not None:
             try:
-                return self._sends[shape]
+                return self._sends[remembered]
             except KeyError:
                 pass
             except TypeError:  # an unhashable key
-                shape = None
-        sends = (
-            self._every(self.keys_for(key, limits), limits),
-            pack_numbers(limits, cost, mode, horizon, guard, hold),
-        )
-        if shape is not None:
+                remembered = None
+        sends = self._every(self.keys_for(key, shape.limits), shape.limits), shape.numbers
+        if remembered is not None:
             if len(self._sends) >= KEY_CACHE_SIZE:
                 self._sends.clear()
-            self._sends[shape] = sends
+            self._sends[remembered] = sends
         return sends
 
     def _every(self, keys: list[str], limits: tuple[Limit, ...]) -> list[str]:

@@ -1,11 +1,17 @@
 """The Lua scripts, read once from the package (or the source tree's ``lua/``), and the
-numbers a call sends them."""
+numbers a call sends them.
+
+A script may include another file of ``lua/`` with a line ``--- @include "file.lua"``
+(as BullMQ's scripts do): the file's text takes that line's place, so that Redis runs
+one script while a reader has files of a readable size."""
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
-from functools import cache
+from dataclasses import dataclass, replace
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,61 +20,104 @@ from ._exceptions import InvalidLimit
 from ._limit import Limit, check_cost
 
 NAMES = ("sliding_log", "sliding_counter", "park")
+_INCLUDE = re.compile(r'^--- @include "([a-z_]+\.lua)"$', re.MULTILINE)
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
+#: Reservations are never made further ahead than this by default (seconds).
+DEFAULT_HORIZON = 3600.0
 
 
 @cache
 def source(name: str) -> str:
-    """The text of ``lua/<name>.lua``: packaged in the wheel, or beside the package in a
-    source checkout."""
+    """The script ``lua/<name>.lua``, its ``@include`` lines replaced by those files."""
     if name not in NAMES:
         raise KeyError(name)
-    packaged = resources.files("celery_ratelimit") / "lua" / f"{name}.lua"
+    return _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), _read(f"{name}.lua"))
+
+
+def _read(filename: str) -> str:
+    """A file of ``lua/``: packaged in the wheel, or beside the package in a checkout."""
+    packaged = resources.files("celery_ratelimit") / "lua" / filename
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
-    return (Path(__file__).resolve().parent.parent / "lua" / f"{name}.lua").read_text(
-        encoding="utf-8"
-    )
+    return (Path(__file__).resolve().parent.parent / "lua" / filename).read_text(encoding="utf-8")
 
 
-def pack_numbers(
+@dataclass(frozen=True)
+class Shape:
+    """What a script call sends besides its keys and token: the limits, the cost (one
+    for every limit, or one per limit), the mode, and the options of the Celery layer
+    (``horizon``, ``guard`` and ``hold``, in seconds; see ``Limiter._call``).
+
+    Hashable, so a limiter remembers what it sends for a shape; its packed numbers are
+    worked out, and checked, once.
+    """
+
+    limits: tuple[Limit, ...]
+    cost: int | tuple[int, ...] = 1
+    mode: int = 0
+    horizon: float = DEFAULT_HORIZON
+    guard: float = 0.0
+    hold: float = 0.0
+
+    def with_mode(self, mode: int) -> Shape:
+        return self if mode == self.mode else replace(self, mode=mode)
+
+    @property
+    def cacheable(self) -> bool:
+        """Only exact ints may be remembered: a bool or a float hashes like an int."""
+        costs = self.cost if type(self.cost) is tuple else (self.cost,)
+        return all(type(one) is int for one in costs)
+
+    @cached_property
+    def numbers(self) -> bytes:
+        """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
+        cost) of every limit, as packed doubles.
+
+        Raises:
+            InvalidLimit, TypeError: a bad cost or horizon, naming it.
+        """
+        limits, cost, horizon = self.limits, self.cost, self.horizon
+        if isinstance(cost, int):
+            costs: tuple[Any, ...] = (cost,) * len(limits)
+        elif isinstance(cost, tuple):
+            costs = cost
+        else:
+            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
+        if len(costs) != len(limits):
+            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
+            raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
+        if not 0 < horizon <= MAX_HORIZON:
+            raise InvalidLimit(
+                f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
+            )
+        numbers: list[int] = [
+            self.mode,
+            int(horizon * 1_000_000),
+            int(self.guard * 1_000_000),
+            int(self.hold * 1_000_000),
+        ]
+        for limit, one in zip(limits, costs, strict=True):
+            check_cost(one)
+            if one > limit.rate.limit:
+                raise InvalidLimit(
+                    f"cost {one} is greater than the limit of {limit.label}: "
+                    "such a call could never run"
+                )
+            numbers += (limit.rate.limit, limit.rate.window_us, one)
+        return struct.pack(f"<{len(numbers)}d", *numbers)
+
+
+def shape(
     limits: tuple[Limit, ...],
     cost: int | Sequence[int],
     mode: int,
-    horizon: float,
-    guard: float,
-    hold: float,
-) -> bytes:
-    """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
-    cost) of every limit, as packed doubles. ``cost``: one for every limit, or one
-    per limit."""
-    if isinstance(cost, int):
-        costs: tuple[Any, ...] = (cost,) * len(limits)
-    elif isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
-        costs = tuple(cost)
-    else:
-        raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-    if len(costs) != len(limits):
-        raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
-    if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
-        raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
-    if not 0 < horizon <= MAX_HORIZON:
-        raise InvalidLimit(
-            f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
-        )
-    numbers: list[int] = [
-        mode,
-        int(horizon * 1_000_000),
-        int(guard * 1_000_000),
-        int(hold * 1_000_000),
-    ]
-    for limit, one in zip(limits, costs, strict=True):
-        check_cost(one)
-        if one > limit.rate.limit:
-            raise InvalidLimit(
-                f"cost {one} is greater than the limit of {limit.label}: "
-                "such a call could never run"
-            )
-        numbers += (limit.rate.limit, limit.rate.window_us, one)
-    return struct.pack(f"<{len(numbers)}d", *numbers)
+    horizon: float = DEFAULT_HORIZON,
+    guard: float = 0.0,
+    hold: float = 0.0,
+) -> Shape:
+    """A :class:`Shape`, a sequence of costs made a tuple (so that it hashes)."""
+    if isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
+        cost = tuple(cost)
+    return Shape(limits, cost, mode, horizon, guard, hold)  # type: ignore[arg-type]

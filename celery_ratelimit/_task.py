@@ -46,6 +46,7 @@ from ._exceptions import (
 from ._limit import describe, to_limits
 from ._limiter import RELEASE
 from ._plan import check_key_fields, plan_for
+from ._scripts import shape
 from ._settings import limiter_for
 
 logger = logging.getLogger("celery_ratelimit")
@@ -205,7 +206,7 @@ def _release_on_revoke(request: Any = None, **_: Any) -> None:
             return
         keys, costs = plan.resolve(tuple(request.args or ()), request.kwargs or {})
         limiter = limiter_for(task.app)
-        limiter._call(keys, plan.limits, costs, RELEASE, token=token)
+        limiter._call(keys, shape(plan.limits, costs, RELEASE), token=token)
     except Exception as exc:  # a slot that cannot be released only wastes budget
         logger.debug("ratelimit: could not release the slot of %s: %s", request.id, exc)
 

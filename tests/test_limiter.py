@@ -15,6 +15,7 @@ import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
 from celery_ratelimit._limiter import ACQUIRE, CONFIRM, RESTAMP
+from celery_ratelimit._scripts import Shape
 from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
 
@@ -632,7 +633,7 @@ def test_a_burst_leaving_a_long_log_is_pruned_a_batch_per_call(
     rate = Limit("3000/400ms")
     key = f"burst-{newer}"
     keys = limiter.keys_for(key, rate)
-    every, numbers = limiter._prepared(key, (rate,), 1, ACQUIRE, 3600.0, 0.0, 0.0)
+    every, numbers = limiter._prepared(key, Shape((rate,), 1, ACQUIRE))
     limiter.check()
     sha = limiter._scripts["log"].sha
     with redis_client.pipeline(transaction=False) as pipe:
