@@ -44,12 +44,21 @@ def plot(scale: list[dict[str, Any]], script_scale: dict[str, Any], path: Path) 
             [0, *xs],
             [max(run["idle_node_rss_mb"])] + [max(d["peak_node_rss_mb"]) for d in drains],
             marker="o",
-            label=broker,
+            label=f"{broker}: node",
         )
+        if "idle_consumer_rss_mb" in run:
+            memory.plot(
+                [0, *xs],
+                [max(run["idle_consumer_rss_mb"])]
+                + [max(d["peak_consumer_rss_mb"]) for d in drains],
+                marker="x",
+                linestyle="--",
+                label=f"{broker}: consumer",
+            )
     for ax, title, target in (
         (drain, "drain / ideal", 1.05),
         (calls, "per executed task", 2.0),
-        (memory, "peak node RSS, MB (0: idle)", None),
+        (memory, "peak RSS, MB (0: idle): node, and its consumer", None),
     ):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("backlog / limit")

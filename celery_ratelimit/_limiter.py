@@ -58,6 +58,7 @@ class Limiter:
         self._scripts = {
             "log": client.register_script(source("sliding_log")),
             "counter": client.register_script(source("sliding_counter")),
+            "park": client.register_script(source("park")),  # see _park
         }
         self._cluster = hasattr(client, "get_nodes")
         self._checked = False
@@ -218,6 +219,14 @@ class Limiter:
                 error = not_redis_error(kwargs, timeout) or error
             raise error from exc
         self._checked = True
+
+    def run_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """The reply of a script of this limiter's besides the decision (``"park"``).
+
+        Raises:
+            redis.RedisError: as the script's call raised it (see :meth:`translate`).
+        """
+        return self._scripts[name](keys=keys, args=args)
 
     def translate(self, exc: Exception, doing: str) -> RateLimitError:
         """The library's exception for a redis-py one (see ``_failures``)."""

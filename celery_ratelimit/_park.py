@@ -20,6 +20,7 @@ before. Nodes with one broker URL share one park (``<prefix>:{park:<digest>}:…
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -27,13 +28,14 @@ import os
 import threading
 import time
 import uuid
+from functools import lru_cache
 from typing import Any
 
 from celery import signals
+from kombu.connection import Connection
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ._limiter import REDIS_ERRORS, Limiter
-from ._scripts import source
 from ._settings import limiter_for, park_after, setting
 
 logger = logging.getLogger("celery_ratelimit")
@@ -59,13 +61,17 @@ MOVER_SEEN = 5.0
 
 def park_keys(app: Any, limiter: Limiter) -> list[str]:
     """The park of ``app``'s broker: its sorted set, its hash of copies, its counts."""
-    try:
-        broker = app.connection_for_write().as_uri()
-    except Exception:  # an unusual transport: its configured URL, as given
-        broker = str(app.conf.broker_url)
-    digest = hashlib.sha256(broker.encode()).hexdigest()[:16]
-    base = f"{limiter.prefix}:{{park:{digest}}}"
+    broker = str(app.conf.broker_write_url or app.conf.broker_url)
+    base = f"{limiter.prefix}:{{park:{_digest(broker)}}}"
     return [f"{base}:due", f"{base}:copies", f"{base}:counts"]
+
+
+@lru_cache(maxsize=64)
+def _digest(broker: str) -> str:
+    """A short digest of the broker URL, as kombu writes it (the password left out)."""
+    with contextlib.suppress(Exception):  # an unusual transport: the URL as configured
+        broker = Connection(broker).as_uri()  # type: ignore[no-untyped-call]
+    return hashlib.sha256(broker.encode()).hexdigest()[:16]
 
 
 def park_calls(client: Any, prefix: str) -> int:
@@ -75,13 +81,6 @@ def park_calls(client: Any, prefix: str) -> int:
     for key in client.scan_iter(match=f"{prefix}:{{park:*}}:counts", count=100):
         calls += sum(int(n) for n in client.hmget(key, "park", "claim", "drop") if n)
     return calls
-
-
-def _script(limiter: Limiter) -> Any:
-    script = getattr(limiter, "_park_script", None)
-    if script is None:
-        script = limiter._park_script = limiter.client.register_script(source("park"))  # type: ignore[attr-defined]
-    return script
 
 
 def park(task: Any, signature: Any, countdown: float) -> bool:
@@ -100,9 +99,10 @@ def park(task: Any, signature: Any, countdown: float) -> bool:
     payload = f"{content_type}|{encoding}|".encode() + data
     limiter = limiter_for(task.app)
     try:
-        due = _script(limiter)(
-            keys=park_keys(task.app, limiter),
-            args=[
+        due = limiter.run_script(
+            "park",
+            park_keys(task.app, limiter),
+            [
                 "park",
                 uuid.uuid4().hex,
                 int(countdown * 1_000_000),
@@ -123,10 +123,11 @@ def move_once(app: Any) -> float:
         LimiterUnavailable, LimiterMisconfigured: Redis failed the claim or the drop.
     """
     limiter = limiter_for(app)
-    script = _script(limiter)
     keys = park_keys(app, limiter)
     try:
-        reply = script(keys=keys, args=["claim", int(LEAD * 1e6), int(LEASE * 1e6), BATCH])
+        reply = limiter.run_script(
+            "park", keys, ["claim", int(LEAD * 1e6), int(LEASE * 1e6), BATCH]
+        )
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "claiming parked tasks") from exc
     now_us, first_us = int(reply[0]), int(reply[1])
@@ -145,7 +146,7 @@ def move_once(app: Any) -> float:
         published.append(copy_id)
     if published:
         try:
-            script(keys=keys, args=["drop", *published])
+            limiter.run_script("park", keys, ["drop", *published])
         except REDIS_ERRORS as exc:
             raise limiter.translate(exc, "dropping published parked tasks") from exc
     if len(reply) - 2 >= 2 * BATCH:
