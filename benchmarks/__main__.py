@@ -278,6 +278,10 @@ def main() -> None:
             return run(*args)
         finally:
             sections[name] = round(time.monotonic() - begun, 1)
+            # what is measured so far, kept should a later section fail
+            RESULTS.mkdir(exist_ok=True)
+            partial = {**results, "section_seconds": sections}
+            (RESULTS / "partial.json").write_text(json.dumps(partial, indent=1) + "\n")
 
     server = RedisServer()
     try:
