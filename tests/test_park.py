@@ -80,11 +80,12 @@ def test_a_parked_copy_is_published_a_lead_before_it_is_due_with_its_eta_in_redi
     limiter = limiter_for(app)
     move_once(app)  # a mover serves the park
     seconds, micros = limiter.client.time()
-    assert park(task, deferred_copy(app, "t-1"), 2.0)
-    due = seconds + micros / 1e6 + 2.0
+    # due in 3 s: the "not yet" below holds unless this process stalls for 2 s
+    assert park(task, deferred_copy(app, "t-1"), 3.0)
+    due = seconds + micros / 1e6 + 3.0
     assert waiting(app) == 1
     assert move_once(app) <= _park.POLL
-    assert queued(app) == []  # due in 2 s: not yet
+    assert queued(app) == []  # due in 3 s: not yet
     time.sleep(max(due - _park.LEAD - time.time(), 0) + 0.05)
     move_once(app)
     messages = queued(app)
@@ -109,7 +110,8 @@ def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses
 ) -> None:
     """A publish that failed (the copy stays claimed) and a mover that died between its
     claim and its publish (``SystemExit`` out of ``move_once``) lose no copy."""
-    monkeypatch.setattr(_park, "LEASE", 1.5)
+    # a lease of 3 s: the claim holds off other movers for 2 s (it lapses a lead early)
+    monkeypatch.setattr(_park, "LEASE", 3.0)
     move_once(app)
     assert park(app.tasks[app.conf.fetch_name], deferred_copy(app, "t-2"), 1.6)
     time.sleep(0.7)  # due within the lead
