@@ -2,8 +2,9 @@
 
 Public API::
 
-    from celery_ratelimit import Limit, Limiter, Decision, RateLimitedTask, ratelimit, install
-    from celery_ratelimit import RateLimitError, RateLimitExceeded
+    from celery_ratelimit import Limit, Concurrency, Limiter, Decision
+    from celery_ratelimit import RateLimitedTask, ratelimit, install
+    from celery_ratelimit import UpstreamRateLimited, RateLimitError, RateLimitExceeded
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from ._exceptions import (
     RateLimitExceeded,
 )
 from ._install import install
-from ._limit import Limit
+from ._limit import Concurrency, Limit
 from ._limiter import Limiter
 from ._rate import Rate
 from ._task import RateLimitedTask
+from ._upstream import UpstreamRateLimited
 
 __all__ = [
+    "Concurrency",
     "Decision",
     "InvalidLimit",
     "InvalidRate",
@@ -36,6 +39,7 @@ __all__ = [
     "RateLimitError",
     "RateLimitExceeded",
     "RateLimitedTask",
+    "UpstreamRateLimited",
     "install",
     "ratelimit",
 ]

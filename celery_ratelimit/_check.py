@@ -24,13 +24,14 @@ from celery.utils.time import maybe_iso8601
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
-from ._limit import Limit
+from ._limit import Concurrency, Limit
 from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
 from ._scripts import shape
 from ._settings import limiter_for, park_after, setting
+from ._slots import Held, hold
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -102,8 +103,16 @@ class Check:
         )
         self.first_mode = RESERVE if reserve else ACQUIRE
         self.mode = self.first_mode
+        self.slots = tuple(limit for limit in plan.limits if isinstance(limit, Concurrency))
+        self.lease = _lease(task, self.request, here.concurrency_lease) if self.slots else None
         self.shape = shape(
-            plan.limits, self.costs, self.mode, self.max_countdown, self.guard, MAX_IN_PROCESS_WAIT
+            plan.limits,
+            self.costs,
+            self.mode,
+            self.max_countdown,
+            self.guard,
+            MAX_IN_PROCESS_WAIT,
+            self.lease,
         )
         self.tolerance = start_tolerance(plan.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
@@ -112,10 +121,12 @@ class Check:
     def setting(self, name: str) -> Any:
         return setting(name, self.task.app, self.task, self.request)
 
-    def decide(self, token: str | None, restamp: bool = False) -> Decision:
-        """One limiter call: confirm the reservation ``token``, else acquire; or, with
+    def decide(self, token: str | None, restamp: bool = False, reserve: bool = False) -> Decision:
+        """One limiter call: confirm the reservation ``token``, else acquire (with
+        ``reserve``, reserving whatever ``ratelimit_reserve`` says); or, with
         ``restamp``, start the grant ``token`` anew (see :meth:`start`)."""
-        self.mode = RESTAMP if restamp else CONFIRM if token else self.first_mode
+        first = RESERVE if reserve else self.first_mode
+        self.mode = RESTAMP if restamp else CONFIRM if token else first
         self.restamps = self.restamps + 1 if restamp else 0
         self.sent = time.monotonic()
         sent = time.time()
@@ -152,6 +163,11 @@ class Check:
                 self.metrics.late_start(self.plan.limits)
             return late
         setattr(self.request, DECISION_ATTR, decision)
+        if self.slots and decision.token is not None and self.lease is not None:
+            # held until the body ends (see _slots)
+            lease = min(slot.lease or self.lease for slot in self.slots)
+            keys = self.keys[-len(self.slots) :]
+            hold(self.request, Held(self.limiter, keys, self.slots, decision.token, lease))
         return 0.0
 
     def report_misconfigured(self, exc: LimiterMisconfigured) -> None:
@@ -202,13 +218,15 @@ class Check:
         countdown: float,
         token: str | None,
         reason: str,
-        denied_by: Limit | None = None,
+        denied_by: Limit | Concurrency | None = None,
         *,
         denial: bool = False,
+        why: str = "limit",
     ) -> str | None:
         """Publish the task again ``countdown`` seconds from now and raise the ``Retry``
         that ends this execution. ``denial``: the task could not get budget (what
-        ``ratelimit_max_deferrals`` counts; see ``DENIALS_HEADER``).
+        ``ratelimit_max_deferrals`` counts; see ``DENIALS_HEADER``); ``why``: what the
+        ``task-ratelimited`` event says (see ``send_deferral_event``).
 
         When the publish failed and the task waited in this process instead (acks
         early: the original message is already acknowledged), returns the token to
@@ -257,7 +275,7 @@ class Check:
         if self.metrics is not None:
             new_slot = bool(token) and token != getattr(request, TOKEN_HEADER, None)
             self.metrics.deferral(self.plan.limits, denied_by, new_slot)
-        send_deferral_event(task, keys, countdown, deferrals + 1, bool(token))
+        send_deferral_event(task, keys, countdown, deferrals + 1, bool(token), why)
         raise Retry(reason, when=countdown, sig=signature)
 
     def copy(self, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:
@@ -345,6 +363,7 @@ class _ProcessSettings:
     reserve: bool
     metrics: Any
     park_after: float | None  # an app-wide setting: every node's mover must agree
+    concurrency_lease: float
 
 
 def _process_settings(task: Any) -> _ProcessSettings:
@@ -361,6 +380,7 @@ def _process_settings(task: Any) -> _ProcessSettings:
         reserve=setting("ratelimit_reserve", app, task),
         metrics=metrics_for(app),
         park_after=park_after(app),
+        concurrency_lease=setting("ratelimit_concurrency_lease", app, task),
     )
     cls._ratelimit_settings = resolved
     return resolved
@@ -371,9 +391,18 @@ def start_tolerance(limits: tuple[Limit, ...], guard: float) -> float:
     slack ``guard`` adds to the tightest window (``lua/sliding_log.lua``: starts are
     checked in windows that much wider than the limit's). With no guard, or with the
     counter (which keeps no entry to move), starts are not checked: ``inf``."""
-    if guard <= 0 or limits[0].algorithm != "log":
+    rates = [limit for limit in limits if isinstance(limit, Limit)]
+    if guard <= 0 or not rates or rates[0].algorithm != "log":
         return float("inf")
-    return min(min(guard, limit.rate.window_us / 25_000_000) for limit in limits) / 2
+    return min(min(guard, limit.rate.window_us / 25_000_000) for limit in rates) / 2
+
+
+def _lease(task: Any, request: Any, default: float) -> float:
+    """A concurrency slot's lease: the call's or the task's hard time limit (a body
+    cannot outlive it), else ``ratelimit_concurrency_lease``."""
+    limits = getattr(request, "timelimit", None) or (None, None)
+    hard = limits[0] or getattr(task, "time_limit", None)
+    return float(hard) if hard else default
 
 
 def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:

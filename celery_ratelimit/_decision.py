@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._exceptions import InvalidLimit
-from ._limit import Limit
+from ._limit import Concurrency, Limit
 
 #: A reservation token: this many random bytes, written as hex by the limiter.
 TOKEN_BYTES = 8
@@ -30,16 +30,19 @@ class Decision:
             log. ``None`` when denied.
         at: the Redis server time of the decision, or of the reserved slot, in seconds
             since the epoch.
+        paused: denied (or placed later) because the key is paused
+            (:meth:`Limiter.pause`, ``UpstreamRateLimited``).
     """
 
     allowed: bool
     remaining: int
     retry_after: float
     reset_after: float
-    limit: Limit | None = None
+    limit: Limit | Concurrency | None = None
     reserved: bool = False
     token: str | None = None
     at: float = 0.0
+    paused: bool = False
 
     def __bool__(self) -> bool:
         return self.allowed

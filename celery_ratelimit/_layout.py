@@ -9,8 +9,12 @@ Keys
     ``{prefix}:{tag}:rest:{algorithm}:{window_us}``: a limit of ``window_us`` on the
     logical key ``tag:rest`` (escaped; its first segment, in braces, is the Redis
     Cluster hash tag, so all limits of one call share a slot). The log's pending set
-    (reservations whose task has not started) is that name + :data:`PENDING`. The park
-    of a broker: ``{prefix}:{park:<digest>}:`` + ``due`` / ``copies`` / ``counts``.
+    (reservations whose task has not started) is that name + :data:`PENDING`. A
+    concurrency limit on ``tag:rest`` is ``{prefix}:{tag}:rest:conc:0`` (its holders),
+    with its starts and waiters at that name + :data:`STARTS` and + :data:`PENDING`.
+    The settings of ``tag:rest`` (a pause) are the hash ``{prefix}:{tag}:rest:settings``.
+    The park of a broker: ``{prefix}:{park:<digest>}:`` + ``due`` / ``copies`` /
+    ``counts``.
 
 The log (``algorithm="log"``), a sorted set
     One entry per granted or reserved call: member = the call's 8-byte token, then
@@ -22,6 +26,11 @@ The log (``algorithm="log"``), a sorted set
 The counter (``algorithm="counter"``), a hash
     ``w`` the current fixed window's number (instant // window), ``c`` its count, ``p``
     the previous window's count.
+
+A concurrency limit (``lua/gate.lua``), three sorted sets
+    holders: token -> when its lease runs out (µs), and the meta member ``""`` = the
+    average time a body held a slot (µs); starts: token -> when its body started;
+    waiters: token -> when its turn is expected.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._keys import escape_key
-from ._limit import Limit
+from ._limit import Concurrency, Limit
 
 #: Scores below this are the log's meta members, not entries (entries are instants).
 ENTRY_FLOOR = 10**13
@@ -41,18 +50,43 @@ TOKEN_LEN = 8
 META_MEMBERS = ("", "+", "=", "~")
 #: The counter's hash fields: window number, its count, the previous window's count.
 COUNTER_FIELDS = ("w", "c", "p")
-#: Suffix of a log key's pending set.
+#: Suffix of a log key's pending set, and of a concurrency limit's waiters.
 PENDING = ":r"
-ALGORITHMS = ("log", "counter")
+#: Suffix of a concurrency limit's starts.
+STARTS = ":s"
+#: The meta member of a concurrency limit's holders: the average time a body held a slot.
+AVERAGE = ""
+#: Field of a key's settings hash: until when (µs) the key is paused.
+PAUSE_FIELD = "pause"
+ALGORITHMS = ("log", "counter", "conc")
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
 
-def redis_key(prefix: str, key: str, limit: Limit) -> str:
-    """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
+def _base(prefix: str, key: str) -> str:
     tag, _, rest = key.partition(":")
     tail = f":{rest}" if rest else ""
-    return f"{prefix}:{{{tag}}}{tail}:{limit.algorithm}:{limit.rate.window_us}"
+    return f"{prefix}:{{{tag}}}{tail}"
+
+
+def redis_key(prefix: str, key: str, limit: Limit | Concurrency) -> str:
+    """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
+    if isinstance(limit, Concurrency):
+        return f"{_base(prefix, key)}:conc:0"
+    return f"{_base(prefix, key)}:{limit.algorithm}:{limit.rate.window_us}"
+
+
+def settings_key(prefix: str, key: str) -> str:
+    """The settings hash (a pause) of the (already escaped) ``key``."""
+    return f"{_base(prefix, key)}:settings"
+
+
+def companions(redis_key: str) -> list[str]:
+    """The keys that go with a limit's key: the log's pending set; a concurrency
+    limit's starts and waiters."""
+    if redis_key.endswith(":conc:0"):
+        return [redis_key + STARTS, redis_key + PENDING]
+    return [redis_key + PENDING]
 
 
 @dataclass(frozen=True)

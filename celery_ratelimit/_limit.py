@@ -6,7 +6,7 @@ import contextlib
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ._exceptions import InvalidLimit
 from ._rate import Rate
@@ -183,17 +183,100 @@ class Limit:
         return f"{key or 'task'}@{self.rate}"
 
 
-LimitSpec = str | Rate | Limit | Iterable[str | Rate | Limit]
+#: A concurrency slot's lease when neither the limit nor the task gives one (seconds).
+DEFAULT_LEASE = 300.0
+
+
+@dataclass(frozen=True, init=False)
+class Concurrency:
+    """At most ``n`` task bodies running at once per key, across every worker.
+
+    Accepted wherever a :class:`Limit` is, and checked with the rate limits in the same
+    script call, all or nothing. A body holds its slot from its start to its end; a
+    slot whose holder was lost (a worker killed) comes back when its lease runs out.
+
+    Args:
+        n: how many at once (a positive int).
+        key: what shares the slots, as a Limit's key (a template such as
+            ``"erp:{tenant}"``, or a callable); default: the task name.
+        lease: seconds a slot is held without news from its holder (renewed while the
+            body runs). Default: the task's ``time_limit``, else the setting
+            ``ratelimit_concurrency_lease`` (300 s); outside Celery 300 s.
+        name: a label for logs and metrics; defaults to ``key@n at once``.
+
+    Raises:
+        InvalidLimit: ``n`` or ``lease`` not positive, a bad template or name.
+        TypeError: ``n`` not an int, a key of the wrong type.
+
+    Example::
+
+        Concurrency(1, key="erp:{tenant}")
+    """
+
+    n: int
+    key: str | KeyFunc | None
+    lease: float | None
+    name: str | None
+    fields: tuple[str, ...] = field(repr=False, compare=False)
+    #: what the rest of the library reads off any limit
+    cost = 1
+    algorithm = "conc"
+    on_redis_error = None
+
+    def __init__(
+        self,
+        n: int,
+        key: str | KeyFunc | None = None,
+        *,
+        lease: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"Concurrency n must be a positive int, got {n!r}")
+        if n < 1:
+            raise InvalidLimit(f"Concurrency n must be a positive int, got {n!r}")
+        if lease is not None and (
+            isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0
+        ):
+            raise InvalidLimit(
+                f"Concurrency lease must be a positive number of seconds, got {lease!r}"
+            )
+        if key is not None and not isinstance(key, str) and not callable(key):
+            raise TypeError(f"Concurrency key must be a string, a callable or None, got {key!r}")
+        if key == "":
+            raise InvalidLimit("Concurrency key must not be empty")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InvalidLimit(f"Concurrency name must be a non-empty string, got {name!r}")
+        set_ = object.__setattr__
+        set_(self, "n", n)
+        set_(self, "key", key)
+        set_(self, "lease", None if lease is None else float(lease))
+        set_(self, "name", name)
+        set_(self, "fields", template_fields(key) if isinstance(key, str) else ())
+
+    @property
+    def label(self) -> str:
+        """``name`` if given, else ``key@n at once`` (for logs and metrics)."""
+        if self.name:
+            return self.name
+        key = self.key if isinstance(self.key, str) else getattr(self.key, "__name__", "task")
+        return f"{key or 'task'}@{self.n} at once"
+
+
+AnyLimit = Limit | Concurrency
+LimitSpec = str | Rate | Limit | Concurrency | Iterable[str | Rate | Limit | Concurrency]
 
 
 _PARSED: dict[str, tuple[Limit, ...]] = {}
 
 
-def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
-    """Normalize a rate string, a :class:`Rate`, a :class:`Limit` or a list of them.
+def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
+    """Normalize a rate string, a :class:`Rate`, a :class:`Limit`, a
+    :class:`Concurrency` or a list of them: rate limits first, then concurrency limits
+    (each in the order given).
 
     Raises:
-        InvalidLimit: an empty list, or limits of different algorithms in one list.
+        InvalidLimit: an empty list, or rate limits of different algorithms in one list.
         TypeError: an item that is none of the above.
     """
     if isinstance(spec, str):
@@ -207,20 +290,26 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
         return parsed
     if isinstance(spec, Rate):
         items: Sequence[object] = [Limit(spec)]
-    elif isinstance(spec, Limit):
+    elif isinstance(spec, (Limit, Concurrency)):
         items = [spec]
     elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, Mapping)):
         items = list(spec)
     else:
         raise TypeError(f"{what} must be a rate string, a Limit or a list of Limits, got {spec!r}")
     limits: list[Limit] = []
+    slots: list[Concurrency] = []
     for item in items:
         if isinstance(item, (str, Rate)):
             item = Limit(item)
+        if isinstance(item, Concurrency):
+            slots.append(item)
+            continue
         if not isinstance(item, Limit):
-            raise TypeError(f"{what} must contain rate strings or Limits, got {item!r}")
+            raise TypeError(
+                f"{what} must contain rate strings, Limits or Concurrency, got {item!r}"
+            )
         limits.append(item)
-    if not limits:
+    if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
     algorithms = {limit.algorithm for limit in limits}
     if len(algorithms) > 1:
@@ -228,12 +317,30 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Limit, ...]:
             f"{what} mixes algorithms {sorted(algorithms)}: limits checked together "
             "must all be 'log' or all be 'counter'"
         )
-    return tuple(limits)
+    return (*limits, *slots)
 
 
-def describe(limits: Iterable[Limit]) -> str:
+def rate_algorithm(limits: tuple[Any, ...]) -> str:
+    """The script a call of ``limits`` runs: its rate limits' algorithm, or
+    ``"concurrency"`` when it has none."""
+    first = limits[0]
+    return "concurrency" if isinstance(first, Concurrency) else str(first.algorithm)
+
+
+def describe(limits: Iterable[Any]) -> str:
     """A short text for logs: ``"yt:quota@9500/d + search@100/m"``."""
     return " + ".join(limit.label for limit in limits)
 
 
-__all__ = ["Limit", "LimitSpec", "check_cost", "describe", "template_fields", "to_limits"]
+__all__ = [
+    "DEFAULT_LEASE",
+    "AnyLimit",
+    "Concurrency",
+    "Limit",
+    "LimitSpec",
+    "check_cost",
+    "describe",
+    "rate_algorithm",
+    "template_fields",
+    "to_limits",
+]

@@ -13,12 +13,15 @@ from ._decision import TOKEN_BYTES, Decision, token_bytes_of
 from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
 from ._failures import not_redis_error, redis_versions, translate, version_error
 from ._keys import escape_key
-from ._layout import PENDING, keys_of, redis_key
-from ._limit import Limit, LimitSpec, describe, to_limits
-from ._scripts import DEFAULT_HORIZON, Shape, shape, source
+from ._keys import escape_key as _escape
+from ._layout import PENDING, companions, keys_of, redis_key, settings_key
+from ._limit import Concurrency, Limit, LimitSpec, describe, rate_algorithm, to_limits
+from ._scripts import DEFAULT_HORIZON, Shape, pause_numbers, shape, source
+from ._upstream import seconds_from
 
-#: Script modes (the first of the packed numbers, ARGV[2]); see the header of lua/sliding_log.lua.
-ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP = 0, 1, 2, 3, 4, 5
+#: Script modes (the first of the packed numbers, ARGV[2]); see the header of
+#: lua/sliding_log.lua (and lua/gate.lua for RENEW and PAUSE).
+ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP, RENEW, PAUSE = 0, 1, 2, 3, 4, 5, 6, 7
 #: Reply statuses.
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
 
@@ -58,6 +61,7 @@ class Limiter:
         self._scripts = {
             "log": client.register_script(source("sliding_log")),
             "counter": client.register_script(source("sliding_counter")),
+            "concurrency": client.register_script(source("concurrency")),
             "park": client.register_script(source("park")),  # see _park
         }
         self._cluster = hasattr(client, "get_nodes")
@@ -155,13 +159,62 @@ class Limiter:
         return self._call(key, shape(to_limits(limits), cost, CONFIRM, horizon), token=token)
 
     def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
-        """Give back a reservation that will not be used (a revoked or expired task).
+        """Give back a reservation that will not be used (a revoked or expired task),
+        and the concurrency slots (or turns in line) of ``token``: its body has ended.
 
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
         token_bytes_of(token)
         self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
+
+    def renew(
+        self,
+        token: str,
+        key: str | tuple[str, ...],
+        limits: LimitSpec,
+        *,
+        lease: float | None = None,
+    ) -> bool:
+        """Extend the leases of the concurrency slots ``token`` holds to ``lease``
+        seconds from now (default: each limit's own, else 300 s). False if a slot was
+        no longer held (its lease had run out: another call may have taken it).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        token_bytes_of(token)
+        slots = tuple(limit for limit in to_limits(limits) if isinstance(limit, Concurrency))
+        if not slots:
+            return True
+        call = shape(slots, 1, RENEW, lease=lease)
+        every, numbers = self._prepared(key, call)
+        reply = self._script_reply("concurrency", every, token_bytes_of(token), numbers)
+        return bool(reply[0] == 1)
+
+    def pause(self, key: str, seconds: float | str | Any) -> float:
+        """Grant nothing on ``key`` (every limit and concurrency limit of it) for
+        ``seconds`` on every worker: an upstream answered 429. A number of seconds, a
+        ``Retry-After`` value (seconds or an HTTP-date) or a datetime. Calls are then
+        answered denied, or placed past the pause, with ``retry_after`` = the time left.
+        A longer pause already in place stays. Returns the seconds the key is paused for.
+
+        Raises:
+            InvalidLimit: a bad key or ``seconds``.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
+        if not isinstance(key, str) or not key:
+            raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
+        return self.pause_keys([_escape(key)], seconds_from(seconds))
+
+    def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
+        """:meth:`pause` for keys already escaped (one script call for all of them)."""
+        keys = sorted({settings_key(self.prefix, k) for k in escaped})
+        if seconds <= 0:
+            return 0.0
+        numbers = pause_numbers(min(seconds, 366 * 86_400.0), len(keys))
+        reply = self._script_reply("concurrency", keys, os.urandom(TOKEN_BYTES), numbers)
+        return float(reply[2]) / 1_000_000
 
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window
@@ -178,7 +231,7 @@ class Limiter:
                 keys = self.keys_for(key, limits)
             deleted = []
             for k in keys:
-                self.client.delete(k + PENDING)
+                self.client.delete(*companions(k))
                 if self.client.delete(k):
                     deleted.append(k)
             return deleted
@@ -345,8 +398,9 @@ class Limiter:
             self._sends[remembered] = sends
         return sends
 
-    def _every(self, keys: list[str], limits: tuple[Limit, ...]) -> list[str]:
-        """The script's KEYS: the limits' keys, then (log) each one's pending set.
+    def _every(self, keys: list[str], limits: tuple[Any, ...]) -> list[str]:
+        """The script's KEYS: the rate limits' keys, then (log) each one's pending set,
+        then each concurrency limit's three keys, then each limit's settings hash.
 
         Raises:
             InvalidLimit: on Redis Cluster, keys that do not share one hash tag.
@@ -356,30 +410,25 @@ class Limiter:
                 f"limits checked together must share their hash tag (the key's first "
                 f"segment) on Redis Cluster, got keys {keys}"
             )
-        if limits[0].algorithm != "log":
-            return keys
-        if len(keys) == 1:
-            return [keys[0], keys[0] + PENDING]
-        return [*keys, *[k + PENDING for k in keys]]
+        settings = [k.rsplit(":", 2)[0] + ":settings" for k in keys]
+        rates = [k for k, limit in zip(keys, limits, strict=True) if isinstance(limit, Limit)]
+        every = list(rates)
+        if rates and limits[0].algorithm == "log":
+            every += [k + PENDING for k in rates]
+        for k in keys[len(rates) :]:
+            every += [k, *companions(k)]
+        return every + settings
 
     def _run(
         self, every: list[str], numbers: bytes, limits: tuple[Limit, ...], token_bytes: bytes
     ) -> Decision | None:
         """One script call and its Decision; None if the reservation ``token_bytes``
         names was already started on (``SPENT``)."""
-        script = self._scripts[limits[0].algorithm]
-        if not self._checked:
-            self.check()
-        try:
-            try:
-                reply = self._send("EVALSHA", script.sha, len(every), *every, token_bytes, numbers)
-            except redis.exceptions.NoScriptError:
-                # loads the script, then runs it
-                reply = script(keys=every, args=[token_bytes, numbers])
-        except REDIS_ERRORS as exc:
-            raise self.translate(exc, "a rate-limit decision") from exc
-        # the log's entries are named by their token; the counter keeps no entries
-        logged = limits[0].algorithm == "log"
+        algorithm = rate_algorithm(limits)
+        reply = self._script_reply(algorithm, every, token_bytes, numbers)
+        # the log's entries and concurrency slots are named by their token; the counter
+        # keeps no entries
+        logged = algorithm != "counter" or isinstance(limits[-1], Concurrency)
         if len(reply) == 3:  # allowed now by its one limit: the script's short reply
             remaining, reset_us, at_us = reply
             return Decision(
@@ -395,13 +444,33 @@ class Limiter:
             return None
         reserved = status in (RESERVED, NOT_YET_DUE)
         allowed = status in (ALLOWED, STARTS_AT)
+        paused = denied_by == len(limits) + 1
         return Decision(
             allowed=allowed,
             remaining=remaining,
             retry_after=retry_us / 1_000_000,
             reset_after=reset_us / 1_000_000,
-            limit=limits[denied_by - 1] if denied_by else None,
+            limit=limits[denied_by - 1] if denied_by and not paused else None,
             reserved=reserved,
             token=token_bytes.hex() if reserved or (allowed and logged) else None,
             at=at_us / 1_000_000,
+            paused=paused,
         )
+
+    def _script_reply(self, name: str, every: list[str], token: bytes, numbers: bytes) -> Any:
+        """The reply of one call of the script ``name`` (on the held connection).
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
+        script = self._scripts[name]
+        if not self._checked:
+            self.check()
+        try:
+            try:
+                return self._send("EVALSHA", script.sha, len(every), *every, token, numbers)
+            except redis.exceptions.NoScriptError:
+                # loads the script, then runs it
+                return script(keys=every, args=[token, numbers])
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a rate-limit decision") from exc

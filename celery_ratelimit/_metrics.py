@@ -35,7 +35,7 @@ from typing import Any
 from celery import signals
 
 from ._decision import Decision
-from ._limit import Limit
+from ._limit import AnyLimit
 from ._limiter import CONFIRM, RESTAMP
 
 logger = logging.getLogger("celery_ratelimit")
@@ -74,6 +74,11 @@ class Metrics:
             "Grants read too late to start on, and checked again (restamped).",
             ["limit"],
         )
+        self.paused = counter(
+            "celery_ratelimit_paused",
+            "Pauses of a limit's keys: a task body raised UpstreamRateLimited.",
+            ["limit"],
+        )
         self.redis_errors = counter(
             "celery_ratelimit_redis_errors", "Decisions that failed on Redis.", ["limit"]
         )
@@ -90,7 +95,7 @@ class Metrics:
         )
 
     def decision(
-        self, limits: Iterable[Limit], decision: Decision, seconds: float, runs: bool, mode: int
+        self, limits: Iterable[AnyLimit], decision: Decision, seconds: float, runs: bool, mode: int
     ) -> None:
         """Record one decision: its latency, and allowed (``runs``) or denied per limit.
 
@@ -110,12 +115,14 @@ class Metrics:
             for limit in (decision.limit,) if decision.limit is not None else limits:
                 self.denied.labels(limit.label).inc()
 
-    def held(self, limits: Iterable[Limit]) -> None:
+    def held(self, limits: Iterable[AnyLimit]) -> None:
         """A fresh slot waited for in-process (no deferral), counted as a reservation."""
         for limit in limits:
             self.reservations.labels(limit.label).inc()
 
-    def deferral(self, limits: Iterable[Limit], denied_by: Limit | None, reserved: bool) -> None:
+    def deferral(
+        self, limits: Iterable[AnyLimit], denied_by: AnyLimit | None, reserved: bool
+    ) -> None:
         """Record one deferral, against the limit that denied it (else every limit),
         and the new slot it reserved, if any."""
         for limit in (denied_by,) if denied_by is not None else limits:
@@ -124,11 +131,15 @@ class Metrics:
             for limit in limits:
                 self.reservations.labels(limit.label).inc()
 
-    def late_start(self, limits: Iterable[Limit]) -> None:
+    def pause(self, limits: Iterable[AnyLimit]) -> None:
+        for limit in limits:
+            self.paused.labels(limit.label).inc()
+
+    def late_start(self, limits: Iterable[AnyLimit]) -> None:
         for limit in limits:
             self.late_starts.labels(limit.label).inc()
 
-    def redis_error(self, limits: Iterable[Limit]) -> None:
+    def redis_error(self, limits: Iterable[AnyLimit]) -> None:
         for limit in limits:
             self.redis_errors.labels(limit.label).inc()
 
@@ -176,9 +187,13 @@ signals.worker_init.connect(_record_task_events, weak=False)
 
 
 def send_deferral_event(
-    task: Any, key: str, countdown: float, deferrals: int, reserved: bool
+    task: Any, key: str, countdown: float, deferrals: int, reserved: bool, why: str = "limit"
 ) -> None:
-    """Send ``task-ratelimited`` if the worker sends task events; never raises."""
+    """Send ``task-ratelimited`` if the worker sends task events; never raises.
+
+    ``why``: ``"limit"`` (a rate limit), ``"concurrency"`` (waiting for a slot),
+    ``"paused"`` (its key is paused) or ``"upstream"`` (its body raised
+    ``UpstreamRateLimited``)."""
     enabled = _task_events
     if enabled is None:
         enabled = bool(task.app.conf.worker_send_task_events)
@@ -192,6 +207,7 @@ def send_deferral_event(
             countdown=round(countdown, 6),
             deferrals=deferrals,
             reserved=reserved,
+            why=why,
         )
     except Exception as exc:  # a monitoring event must never cost the task
         logger.debug("ratelimit: could not send %s for %s: %s", EVENT, task.name, exc)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._exceptions import InvalidLimit
 from ._keys import escape_key, render
-from ._limit import Limit, check_cost, to_limits
+from ._limit import Concurrency, Limit, check_cost, to_limits
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class Plan:
                         "non-empty string"
                     )
                 keys.append(escape_key(value))
+            if isinstance(limit, Concurrency):
+                costs.append(1)  # a body holds one slot
+                continue
             cost = limit.cost
             if callable(cost):
                 cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ._exceptions import InvalidLimit
-from ._limit import Limit, check_cost
+from ._limit import DEFAULT_LEASE, Concurrency, check_cost
 
-NAMES = ("sliding_log", "sliding_counter", "park")
+NAMES = ("sliding_log", "sliding_counter", "concurrency", "park")
 _INCLUDE = re.compile(r'^--- @include "([a-z_]+\.lua)"$', re.MULTILINE)
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
@@ -45,20 +45,23 @@ def _read(filename: str) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """What a script call sends besides its keys and token: the limits, the cost (one
-    for every limit, or one per limit), the mode, and the options of the Celery layer
-    (``horizon``, ``guard`` and ``hold``, in seconds; see ``Limiter._call``).
+    """What a script call sends besides its keys and token: the limits (rate limits,
+    then concurrency limits), the cost (one for every limit, or one per limit), the
+    mode, the options of the Celery layer (``horizon``, ``guard`` and ``hold``, in
+    seconds; see ``Limiter._call``) and the lease of a concurrency limit that gives
+    none (seconds; None: ``DEFAULT_LEASE``).
 
     Hashable, so a limiter remembers what it sends for a shape; its packed numbers are
     worked out, and checked, once.
     """
 
-    limits: tuple[Limit, ...]
+    limits: tuple[Any, ...]
     cost: int | tuple[int, ...] = 1
     mode: int = 0
     horizon: float = DEFAULT_HORIZON
     guard: float = 0.0
     hold: float = 0.0
+    lease: float | None = None
 
     def with_mode(self, mode: int) -> Shape:
         return self if mode == self.mode else replace(self, mode=mode)
@@ -71,8 +74,9 @@ class Shape:
 
     @cached_property
     def numbers(self) -> bytes:
-        """The script's ARGV[2]: mode, horizon, guard and hold, then (limit, window,
-        cost) of every limit, as packed doubles.
+        """The script's ARGV[2]: mode, horizon, guard, hold, how many concurrency
+        limits and settings keys (one per limit), then (limit, window, cost) of every
+        rate limit and (n, lease) of every concurrency limit, as packed doubles.
 
         Raises:
             InvalidLimit, TypeError: a bad cost or horizon, naming it.
@@ -92,13 +96,18 @@ class Shape:
             raise InvalidLimit(
                 f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
             )
+        slots = [limit for limit in limits if isinstance(limit, Concurrency)]
         numbers: list[int] = [
             self.mode,
             int(horizon * 1_000_000),
             int(self.guard * 1_000_000),
             int(self.hold * 1_000_000),
+            len(slots),
+            len(limits),
         ]
         for limit, one in zip(limits, costs, strict=True):
+            if isinstance(limit, Concurrency):
+                continue
             check_cost(one)
             if one > limit.rate.limit:
                 raise InvalidLimit(
@@ -106,18 +115,27 @@ class Shape:
                     "such a call could never run"
                 )
             numbers += (limit.rate.limit, limit.rate.window_us, one)
+        for slot in slots:
+            lease = slot.lease or self.lease or DEFAULT_LEASE
+            numbers += (slot.n, int(lease * 1_000_000))
         return struct.pack(f"<{len(numbers)}d", *numbers)
 
 
+def pause_numbers(seconds: float, keys: int) -> bytes:
+    """ARGV[2] of a pause (mode 7) of ``keys`` settings hashes for ``seconds``."""
+    return struct.pack("<6d", 7, int(seconds * 1_000_000), 0, 0, 0, keys)
+
+
 def shape(
-    limits: tuple[Limit, ...],
+    limits: tuple[Any, ...],
     cost: int | Sequence[int],
     mode: int,
     horizon: float = DEFAULT_HORIZON,
     guard: float = 0.0,
     hold: float = 0.0,
+    lease: float | None = None,
 ) -> Shape:
     """A :class:`Shape`, a sequence of costs made a tuple (so that it hashes)."""
     if isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
         cost = tuple(cost)
-    return Shape(limits, cost, mode, horizon, guard, hold)  # type: ignore[arg-type]
+    return Shape(limits, cost, mode, horizon, guard, hold, lease)  # type: ignore[arg-type]

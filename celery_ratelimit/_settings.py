@@ -53,6 +53,9 @@ DEFAULTS: dict[str, Any] = {
     # goes to the broker. "auto": PARK_AFTER when the limiter's Redis is the broker's
     # server (a parked copy is then as durable as a published one), else None.
     "ratelimit_park_after": "auto",
+    # Lease of a concurrency slot (seconds) for a task without a time_limit: a body
+    # renews it while it runs; a lost worker's slot comes back when it runs out.
+    "ratelimit_concurrency_lease": 300.0,
 }
 
 #: ``ratelimit_park_after`` under "auto", when the limiter's Redis is the broker's.
@@ -149,6 +152,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ratelimit_warning_interval": _positive_number,
     "ratelimit_metrics": _flag,
     "ratelimit_park_after": _park_after,
+    "ratelimit_concurrency_lease": _positive_number,
 }
 
 _UNSET = object()

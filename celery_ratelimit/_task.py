@@ -23,6 +23,7 @@ between can duplicate a message, never lose one.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
     DENIALS_HEADER,
+    MAX_IN_PROCESS_WAIT,
     MAX_RESTAMPS,
     RETRIES_HEADER,
     TOKEN_HEADER,
@@ -43,13 +45,20 @@ from ._exceptions import (
     LimiterMisconfigured,
     LimiterUnavailable,
 )
-from ._limit import describe, to_limits
+from ._keys import escape_key
+from ._limit import Concurrency, describe, to_limits
 from ._limiter import RELEASE
 from ._plan import check_key_fields, plan_for
 from ._scripts import shape
 from ._settings import limiter_for
+from ._slots import release
+from ._upstream import UpstreamRateLimited
 
 logger = logging.getLogger("celery_ratelimit")
+
+#: A task waits in-process at most this many times in a row for a turn moments away
+#: (each at most MAX_IN_PROCESS_WAIT), then is published again.
+MAX_WAITS = 5
 
 
 def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -73,6 +82,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     check = Check(task, plan, tuple(args), kwargs)
     token = _token_header(task, request)
     restamp = False
+    waits = 0
     while True:
         try:
             decision = check.decide(token, restamp)
@@ -96,6 +106,7 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
             restamp = check.restamps < MAX_RESTAMPS
             token = decision.token
             if not restamp:
+                check.give_back(token)  # its concurrency slots
                 token = check.defer(
                     min(late, check.max_countdown),
                     None,
@@ -104,14 +115,94 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 )
             continue
         restamp = False
-        limit = decision.limit
+        if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT and waits < MAX_WAITS:
+            # a turn moments away (a concurrency slot about to be free): wait for it here
+            waits += 1
+            time.sleep(decision.retry_after)
+            token = decision.token
+            continue
+        why, reason = _why(decision, plan.limits)
         token = check.defer(
             min(decision.retry_after, check.max_countdown),
             decision.token if decision.reserved else None,
-            f"rate limited by {limit.label if limit else describe(plan.limits)}",
-            denied_by=limit,
+            reason,
+            denied_by=decision.limit,
             denial=check.competing,
+            why=why,
         )
+
+
+def _why(decision: Decision, limits: tuple[Any, ...]) -> tuple[str, str]:
+    """What held a call back: the event's ``why`` and the log's words."""
+    limit = decision.limit
+    if decision.paused:
+        return "paused", "its key is paused (an upstream answered 429)"
+    if isinstance(limit, Concurrency):
+        return "concurrency", f"waiting for a slot of {limit.label}"
+    return "limit", f"rate limited by {limit.label if limit else describe(limits)}"
+
+
+def call_body(task: Any, body: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``body``; if it raises ``UpstreamRateLimited``, pause the task's keys and
+    publish the task again after the pause (:func:`after_upstream`)."""
+    while True:
+        try:
+            return body(*args, **kwargs)
+        except UpstreamRateLimited as exc:
+            if not after_upstream(task, exc, args, kwargs):
+                raise
+            # the copy could not be published and this process waited out the pause
+            # instead: check the limits again, then run the body again
+            enforce(task, args, kwargs)
+
+
+def after_upstream(
+    task: Any, exc: UpstreamRateLimited, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> bool:
+    """Pause the keys ``exc`` names (the task's limit keys by default) on every worker
+    for its retry-after, give back this body's concurrency slots, and publish the task
+    again on a slot reserved past the pause, its retries untouched.
+
+    Returns False when there is nothing to defer (an eager call, a task without
+    limits): the exception is the caller's. True when the copy could not be published
+    and this process waited instead (see ``Check.defer``).
+
+    Raises:
+        Retry: published (the usual end).
+        Reject: the publish failed and the task is ``acks_late``.
+    """
+    request = task.request
+    plan = plan_for(task)
+    if request.is_eager or request.called_directly or plan is None:
+        return False
+    check = Check(task, plan, tuple(args), kwargs)
+    keys = [escape_key(exc.key)] if exc.key else list(check.keys)
+    try:
+        check.limiter.pause_keys(keys, exc.seconds)
+    except (LimiterUnavailable, LimiterMisconfigured) as error:
+        logger.warning(
+            "ratelimit: %s[%s]: could not pause %s (%s); deferring the task only",
+            task.name,
+            request.id,
+            ", ".join(keys),
+            error,
+        )
+    if check.metrics is not None:
+        check.metrics.pause(plan.limits)
+    release(request)
+    reason = f"upstream rate limited: {', '.join(keys)} paused for {exc.seconds:g}s"
+    try:
+        decision = check.decide(None, reserve=True)
+    except (LimiterUnavailable, LimiterMisconfigured):
+        decision = None
+    if decision is not None and decision.reserved:
+        countdown, token = decision.retry_after, decision.token
+    else:
+        if decision is not None and decision.allowed:
+            check.give_back(decision.token)
+        countdown, token = exc.seconds, None
+    check.defer(min(countdown, check.max_countdown), token, reason, why="upstream")
+    return True
 
 
 def _token_header(task: Any, request: Any) -> str | None:
@@ -168,6 +259,11 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         enforce(self, args, kwargs)
         super().before_start(task_id, args, kwargs)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body; an ``UpstreamRateLimited`` it raises pauses the task's keys
+        and defers the task past the pause (``Retry``)."""
+        return call_body(self, super().__call__, args, kwargs)
+
 
 def wrap_before_start(cls: Any) -> None:
     """Make a plain task class enforce its ``ratelimit`` in ``before_start`` (its key
@@ -190,6 +286,16 @@ def wrap_before_start(cls: Any) -> None:
 
     before_start.__doc__ = RateLimitedTask.before_start.__doc__
     cls.before_start = before_start
+    own = cls.__dict__.get("__call__")
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Task.__call__ looked up at call time: a worker replaces it with one that
+        # keeps the request it pushed (celery.app.trace._install_stack_protection)
+        body = own.__get__(self) if own is not None else super(cls, self).__call__
+        return call_body(self, body, args, kwargs)
+
+    __call__.__doc__ = RateLimitedTask.__call__.__doc__
+    cls.__call__ = __call__
     cls._ratelimit_wrapped = True
 
 

@@ -3,13 +3,17 @@
 -- KEYS[i]   one hash per limit: w = index of the current fixed window (now // window),
 --           c = weight counted in that window, p = weight counted in the window before.
 --           Memory is O(1) per key whatever the limit.
--- ARGV[1]   token (unused here; the reply shape and arguments match sliding_log.lua)
+-- then      the call's concurrency limits' keys (3 each) and its keys' settings hashes
+--           (see gate.lua)
+-- ARGV[1]   token: names the call's slot of its concurrency limits (if any)
 -- ARGV[2]   the numbers, packed as little-endian doubles, as in sliding_log.lua:
 --   1       mode: 0 acquire now or deny; 2 peek (write nothing). Modes 1 and 3 act as 0
---           (reservations are log-only, see README); mode 4 releases nothing.
+--           (reservations are log-only, see README); mode 4 releases concurrency slots;
+--           modes 6 and 7 are gate.lua's
 --   2, 3, 4 horizon, guard and hold, microseconds (unused: fixed windows stay aligned)
---   2+3i, 3+3i, 4+3i   for KEYS[i]: limit (weight units), window (microseconds) and
---           this call's cost there (1 <= cost <= limit)
+--   5, 6    nc, ns: how many concurrency limits and settings hashes
+--   4+3i, 5+3i, 6+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--           this call's cost there (1 <= cost <= limit); then gate.lua's numbers
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers, as
 --   sliding_log.lua: status 0 denied, 1 allowed, 4 released; times in microseconds;
@@ -23,16 +27,25 @@
 -- current count becomes the previous one.
 
 local TTL_MARGIN_MS = 1000
+local ENTRY_FLOOR = 1e13
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local numbers = {struct.unpack('<' .. string.rep('d', 4 + 3 * #KEYS), ARGV[2])}
-local mode = numbers[1]
+local token = ARGV[1]
+local mode, horizon, _, _, nc, ns = struct.unpack('<dddddd', ARGV[2])
+local n = #KEYS - 3 * nc - ns
+local numbers = {struct.unpack('<' .. string.rep('d', 3 * n), ARGV[2], 49)}
+local nlimits, cbase, sbase, coff = n, n, n + 3 * nc, 49 + 24 * n
+if mode == 1 or mode == 3 then mode = 0 end
+
+--- @include "gate.lua"
 
 local function reply(status, remaining, retry_after, reset, denied_by, at)
+  commit(status, at)
+  local free = conc_free()
+  if free ~= nil and free < remaining then remaining = free end
   return {status, remaining, retry_after, reset, denied_by, at}
 end
-local n = #KEYS
 
 if mode == 4 then
   return reply(4, 0, 0, 0, 0, now)
@@ -41,9 +54,9 @@ end
 local wids, cur, prev, limits, windows, costs = {}, {}, {}, {}, {}, {}
 local at, denied_by, remaining, reset = now, 0, nil, 0
 for i = 1, n do
-  local limit = numbers[2 + 3 * i]
-  local window = numbers[3 + 3 * i]
-  local cost = numbers[4 + 3 * i]
+  local limit = numbers[3 * i - 2]
+  local window = numbers[3 * i - 1]
+  local cost = numbers[3 * i]
   costs[i] = cost
   local wid = math.floor(now / window)
   local h = redis.call('HMGET', KEYS[i], 'w', 'c', 'p')
@@ -78,6 +91,8 @@ for i = 1, n do
   if remaining == nil or free < remaining then remaining = free end
   wids[i], cur[i], prev[i], limits[i], windows[i] = wid, c, p, limit, window
 end
+
+if gate > at then at, denied_by = gate, gate_by end
 
 if denied_by ~= 0 or mode == 2 then
   for i = 1, n do

@@ -14,7 +14,9 @@
 --                 again only when a new entry outlives it
 -- KEYS[n+i] the pending set of limit i: the reservations whose task has not started
 --           yet (same member, score = its slot). A start is checked against what
---           really started: the log's entries minus the pending ones. n = #KEYS / 2.
+--           really started: the log's entries minus the pending ones.
+-- then      the call's concurrency limits' keys (3 each) and its keys' settings hashes
+--           (see gate.lua): n = (#KEYS - 3 * nc - ns) / 2 rate limits.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
 -- ARGV[2]   the numbers, packed as little-endian doubles (struct '<d', exact for
 --           integers below 2^53; one argument is much cheaper for a client to send, and
@@ -35,8 +37,13 @@
 --   4       hold, microseconds: a start (mode 1, 3 or 5) due no further ahead than this
 --           is recorded as started at that instant (status 6): the caller waits for
 --           it in-process and runs without a second call. 0: never
---   2+3i, 3+3i, 4+3i   for KEYS[i]: limit (weight units), window (microseconds) and
---           this call's cost there (1 <= cost <= limit)
+--   5, 6    nc, ns: how many concurrency limits and settings hashes (gate.lua)
+--   4+3i, 5+3i, 6+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--           this call's cost there (1 <= cost <= limit); then gate.lua's numbers
+-- Modes 6 (renew) and 7 (pause) are gate.lua's. A paused key or a full concurrency
+-- limit holds a call back as a later instant would: it starts, or is placed, no
+-- sooner than gate.lua's `gate`; a start held back by a concurrency limit is
+-- confirmed again (status 2 or 3, never 6).
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers,
 -- or, for an acquisition (mode 0 or 1) that fits its one limit now, only
@@ -52,7 +59,8 @@
 --   remaining    weight still free in the tightest limit, counting reservations
 --   retry_after  microseconds until this cost fits every limit (0 when allowed)
 --   reset_after  microseconds until every limit of the call is back to full
---   denied_by    1-based index of the limit that set retry_after, 0 if none
+--   denied_by    1-based index of the limit that set retry_after (rate limits, then
+--                concurrency limits; one more than both: a pause), 0 if none
 --   at           server time of the decision, or the reserved instant, microseconds
 --
 -- Invariant: in every window (t - W, t] the weight of the entries that count, at most
@@ -99,12 +107,16 @@ local PRUNE_BATCH = 500
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
-local n = #KEYS / 2
-local numbers = n == 1 and '<ddddddd' or '<' .. string.rep('d', 4 + 3 * n)
-local mode, horizon, guard, hold, limit1, plain1, cost1 = struct.unpack(numbers, ARGV[2])
+local mode, horizon, guard, hold, nc, ns = struct.unpack('<dddddd', ARGV[2])
+local n = (#KEYS - 3 * nc - ns) / 2
+local limit1, plain1, cost1 = struct.unpack('<ddd', ARGV[2], 49)
 -- the numbers of limits 2..n in a table, only when there are more (one table costs
 -- about 1 us, a tenth of a single-limit decision)
-local v = n > 1 and {struct.unpack(numbers, ARGV[2])} or nil
+local v = n > 1 and {struct.unpack('<' .. string.rep('d', 3 * n), ARGV[2], 49)} or nil
+local nlimits, cbase, sbase, coff = n, 2 * n, 2 * n + 3 * nc, 49 + 24 * n
+
+--- @include "gate.lua"
+local simple = nc == 0 and gate == now
 
 -- One table per limit: its key and numbers, and what its meta members say once
 -- expired entries are pruned (not when peeking). total: the weight in the window;
@@ -113,7 +125,7 @@ local v = n > 1 and {struct.unpack(numbers, ARGV[2])} or nil
 local ks = {}
 for i = 1, n do
   local key, limit, plain, cost = KEYS[i], limit1, plain1, cost1
-  if i > 1 then limit, plain, cost = v[2 + 3 * i], v[3 + 3 * i], v[4 + 3 * i] end
+  if i > 1 then limit, plain, cost = v[3 * i - 2], v[3 * i - 1], v[3 * i] end
   local slack = math.min(guard, math.floor(plain / 25))
   local meta = redis.call('ZMSCORE', key, '', '+', '=', '~')
   local total = meta[1] and tonumber(meta[1]) or 0
@@ -169,7 +181,7 @@ for i = 1, n do
     end
     if total < 0 then total = 0 end
   end
-  if n == 1 and mode <= 1 and total + cost <= limit then
+  if simple and n == 1 and mode <= 1 and total + cost <= limit then
     -- The common case, written out: one limit, and the call fits now. No per-limit
     -- table and no helper function (each costs ~0.3-0.9 us of a ~14 us decision);
     -- the same entry and meta as add() and extend() below write.
@@ -214,57 +226,10 @@ end
 -- (counting every entry), in a file of their own.
 --- @include "sliding_log_search.lua"
 
-local function summary(status, at, retry_after, denied_by)
-  local remaining, reset = nil, 0
-  for i = 1, n do
-    local k = ks[i]
-    local free = k.limit - k.total
-    if remaining == nil or free < remaining then remaining = free end
-    if k.total > 0 then
-      local r = k.newest + k.window - now
-      if r > reset then reset = r end
-    end
-  end
-  if remaining < 0 then remaining = 0 end
-  return {status, remaining, retry_after, reset, denied_by, at}
-end
-
--- Keep k's expiry and newest-entry meta in step with an entry placed at t, in the
--- entry's own ZADD (`write`: score, member pairs).
-local function extend(k, t, write)
-  if t > k.newest then
-    k.newest = t
-    write[#write + 1] = -t
-    write[#write + 1] = '+'
-  end
-  if t + k.window > k.expiry then
-    local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
-    write[#write + 1] = -(now + ttl * 1000)
-    write[#write + 1] = '~'
-    redis.call('ZADD', k.key, unpack(write))
-    redis.call('PEXPIRE', k.key, ttl)
-  else
-    redis.call('ZADD', k.key, unpack(write))
-  end
-end
-
--- Add this call's entry at t to k: its weight joins the running total (and the
--- uniform-weight meta), in the entry's own ZADD.
-local function add(k, t)
-  local cost = k.cost
-  local write = {t, k.member, k.total + k.stale + cost, ''}
-  if k.total + k.stale == 0 then
-    write[5], write[6] = cost, '='
-  elseif k.unit ~= 0 and k.unit ~= cost then
-    write[5], write[6] = 0, '='
-  end
-  k.total = k.total + cost
-  k.dirty = false
-  extend(k, t, write)
-end
+--- @include "sliding_log_write.lua"
 
 -- The common case first: an acquisition that fits every limit now.
-if mode <= 1 then
+if mode <= 1 and gate == now then
   local fits = true
   for i = 1, n do
     local k = ks[i]
@@ -275,7 +240,7 @@ if mode <= 1 then
     return summary(1, now, 0, 0)
   end
 end
-if mode <= 2 then
+if mode <= 2 and gate == now then
   -- The room of an abandoned slot (overdue by more than a quarter window and not
   -- started: a copy stuck behind a flood of messages, or lost) is not left unused: a
   -- call that does not fit counting every entry starts now if it fits counting what
@@ -302,43 +267,6 @@ if mode <= 2 then
   end
 end
 
--- Write back the totals that pruning changed (a denial writes no entry).
-local function flush()
-  for i = 1, n do
-    local k = ks[i]
-    if k.dirty then redis.call('ZADD', k.key, k.total + k.stale, '') end
-  end
-end
-
--- Keep the pending entry of key i at t (or drop it: t == nil), pruning slots whose
--- window has passed.
-local function pend(i, t)
-  local key, k = KEYS[n + i], ks[i]
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - k.window)
-  if t == nil then
-    redis.call('ZREM', key, k.member)
-  else
-    redis.call('ZADD', key, t, k.member)
-    -- only ever extend: the set also holds slots further ahead than this one
-    local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
-    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-  end
-end
-
--- Remove this call's own entry from k, stored at instant s, keeping the running
--- total and the newest-entry meta in step (a release, or a start placed anew).
-local function unlog(k, s)
-  redis.call('ZREM', k.key, k.member)
-  if s > now - k.window then k.total = math.max(k.total - k.cost, 0) end
-  if s >= k.newest then
-    local top = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
-    k.newest = top[2] and tonumber(top[2]) or 0
-    redis.call('ZADD', k.key, k.total + k.stale, '', -k.newest, '+')
-  else
-    redis.call('ZADD', k.key, k.total + k.stale, '')
-  end
-  k.dirty = false
-end
 
 if mode == 4 then
   -- release: remove this call's entry, if it is still in the future
@@ -369,21 +297,21 @@ if mode == 3 or mode == 5 then
     end
   end
   -- Due, late, lost or within `hold`: count what really started around t0.
-  local t0 = (slot and slot > now) and slot or now
+  local t0 = math.max(slot or now, now)
   local start = t0
   for i = 1, n do
     local s = start_in(i, ks[i], t0)
     if s > start then start = s end
   end
-  if start - now > hold or start - t0 > hold / 4 then
+  if gate > now or start - now > hold or start - t0 > hold / 4 then
     -- No room soon counting what started: taking the next room would push the task
     -- due there, and that one the next (a chain of deferrals through the whole
     -- backlog); waiting for it in-process, every task after a late one would wait
     -- as long (a prefork pool's processes all asleep). It is placed instead as a new
     -- reservation is, counting every entry, reservations included: deferred once, and
     -- no other task moves. (Up to a quarter of `hold` past its own slot is waited:
-    -- the jitter of ordinary starts.)
-    start = now
+    -- the jitter of ordinary starts.) Not before the gate.
+    start = gate
     for i = 1, n do
       local k = ks[i]
       local own = redis.call('ZSCORE', k.key, k.member)
@@ -408,9 +336,9 @@ if mode == 3 or mode == 5 then
     else
       add(k, start)
     end
-    if wait > hold then pend(i, start) else pend(i, nil) end
+    if wait > hold or not gate_firm then pend(i, start) else pend(i, nil) end
   end
-  if wait > hold then
+  if wait > hold or not gate_firm then
     return summary(3, start, wait, 0)
   elseif wait > 0 then
     return summary(6, start, wait, 0)
@@ -430,6 +358,8 @@ for i = 1, n do
   end
 end
 
+if gate > at then at, denied_by = gate, gate_by end
+
 if mode == 2 then
   if denied_by == 0 then
     return summary(1, now, 0, 0)
@@ -443,7 +373,7 @@ if denied_by ~= 0 then
     flush()
     return summary(0, now, at - now, denied_by)
   end
-  status = at - now > hold and 2 or 6
+  status = (at - now > hold or not gate_firm) and 2 or 6
 end
 
 for i = 1, n do

@@ -236,9 +236,14 @@ class Nodes:
         with self.redis() as client:
             return [json.loads(raw) for raw in client.lrange(f"{self.prefix}:runs", 0, -1)]
 
+    def ends(self) -> list[dict[str, Any]]:
+        """When each body that notes its end (``finish``) ended, oldest first."""
+        with self.redis() as client:
+            return [json.loads(raw) for raw in client.lrange(f"{self.prefix}:ends", 0, -1)]
+
     def clear_runs(self) -> None:
         with self.redis() as client:
-            client.delete(f"{self.prefix}:runs", f"{self.prefix}:held")
+            client.delete(f"{self.prefix}:runs", f"{self.prefix}:held", f"{self.prefix}:ends")
 
     def held(self) -> list[float]:
         """Seconds each ETA message received so far was held before it was due."""

@@ -19,7 +19,14 @@ from typing import Any
 import redis
 from celery import Celery, shared_task, signals
 
-from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
+from celery_ratelimit import (
+    Concurrency,
+    Limit,
+    RateLimitedTask,
+    UpstreamRateLimited,
+    install,
+    ratelimit,
+)
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
@@ -37,6 +44,7 @@ app.conf.update(
     ratelimit_rules={
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
         "tests.apps.nodes.shared_*": Limit(RATE, key="shared"),
+        "tests.apps.nodes.slotted_by_rules": Concurrency(2, key="slots"),
     },
 )
 _client: redis.Redis | None = None
@@ -199,6 +207,79 @@ def pushed(self: Any, i: int) -> int:
 @app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="expiring"), bind=True)
 def expiring(self: Any, i: int) -> int:
     record(self, i=i)
+    return i
+
+
+def finish(task: Any, **extra: Any) -> None:
+    """Note in ``{CRL_PREFIX}:ends`` when this body ended (Redis TIME, µs)."""
+    assert _client is not None  # record() ran first
+    seconds, micros = _client.time()
+    end = {"id": task.request.id, "t": seconds * 1_000_000 + micros, **extra}
+    _client.rpush(f"{PREFIX}:ends", json.dumps(end))
+
+
+#: How long a body holding a concurrency slot runs (seconds).
+BODY = float(os.environ.get("CRL_BODY", "0.3"))
+SLOTS = Concurrency(2, key="slots")
+
+
+@app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
+def slotted(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(BODY)
+    finish(self)
+    return i
+
+
+@ratelimit(SLOTS)
+@app.task(bind=True)
+def slotted_by_decorator(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(BODY)
+    finish(self)
+    return i
+
+
+@app.task(bind=True)
+def slotted_by_rules(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(BODY)
+    finish(self)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
+def slotted_failing(self: Any, i: int) -> int:
+    """Every exit path a body has: success, an exception, a self.retry()."""
+    record(self, i=i)
+    time.sleep(BODY)
+    finish(self)
+    if i % 3 == 1:
+        raise ValueError("a failing body")
+    if i % 3 == 2 and self.request.retries == 0:
+        raise self.retry(countdown=0, max_retries=1)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Concurrency(1, key="leased", lease=3), bind=True)
+def leased(self: Any, i: int, seconds: float) -> int:
+    record(self, i=i)
+    time.sleep(seconds)
+    finish(self)
+    return i
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=[Limit("20/s", key="upstream"), Concurrency(3, key="upstream")],
+    bind=True,
+)
+def calls_upstream(self: Any, i: int, pause: float) -> int:
+    """Task 0's first run is answered 429 with a Retry-After of ``pause`` seconds."""
+    now = record(self, i=i)
+    assert _client is not None
+    if i == 0 and _client.set(f"{PREFIX}:429", now, nx=True):
+        raise UpstreamRateLimited(str(int(pause)))
     return i
 
 

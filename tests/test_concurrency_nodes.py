@@ -1,0 +1,189 @@
+"""Concurrency limits and upstream pauses on real worker nodes (``celery worker``
+subprocesses sharing a private Redis broker and limiter): never more bodies at once
+than the limit, by Redis time, on every pool and through the three forms; a killed
+worker's slot comes back after its lease; a 429 pause holds every node off the key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.nodes import Nodes, node_set, unique_prefix
+
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
+    """Start a node set of the test's own (``node_set`` keywords); logs printed on failure."""
+    started: list[Nodes] = []
+    with ExitStack() as stack:
+
+        def start(**options: Any) -> Nodes:
+            nodes = stack.enter_context(
+                node_set(
+                    tmp_path / f"set{len(started)}", unique_prefix(request.node.name), **options
+                )
+            )
+            started.append(nodes)
+            return nodes
+
+        yield start
+        report = getattr(request.node, "rep_call", None)
+        if report is None or not report.passed:
+            for nodes in started:
+                print(nodes.logs_since([0] * len(nodes.logs)))
+
+
+def bodies(nodes: Nodes, ids: list[str]) -> list[tuple[int, int]]:
+    """(start, end) of every body of ``ids`` that noted both, by Redis time (µs)."""
+    wanted = set(ids)
+    starts: dict[str, list[int]] = {}
+    for run in nodes.runs():
+        if run["id"] in wanted:
+            starts.setdefault(run["id"], []).append(run["t"])
+    spans = []
+    for end in nodes.ends():
+        if end["id"] in wanted and starts.get(end["id"]):
+            spans.append((starts[end["id"]].pop(0), end["t"]))
+    return spans
+
+
+def most_at_once(spans: list[tuple[int, int]]) -> int:
+    """The most spans open at one instant (an end before a start at the same instant)."""
+    events = sorted([(s, 1) for s, _ in spans] + [(e, 0) for _, e in spans])
+    running = most = 0
+    for _, starting in events:
+        running += 1 if starting else -1
+        most = max(most, running)
+    return most
+
+
+def wait_for(nodes: Nodes, ids: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len({e["id"] for e in nodes.ends()} & set(ids)) >= len(set(ids)):
+            time.sleep(0.5)
+            return
+        time.sleep(0.1)
+
+
+def drain_slots(nodes: Nodes, task: str, count: int, timeout: float = 90) -> dict[str, Any]:
+    """Send ``count`` tasks holding a slot of Concurrency(2) for 0.3 s each; assert no
+    instant had more than 2 bodies and every task ran once; return the figures."""
+    ids = [nodes.send(task, i).id for i in range(count)]
+    wait_for(nodes, ids, timeout)
+    runs = Counter(r["id"] for r in nodes.runs() if r["id"] in set(ids))
+    spans = bodies(nodes, ids)
+    assert sorted(runs) == sorted(ids), f"{len(runs)} of {count} tasks ran"
+    assert set(runs.values()) == {1}, "a task ran twice"
+    assert len(spans) == count
+    assert most_at_once(spans) <= 2
+    first = min(s for s, _ in spans)
+    last = max(e for _, e in spans)
+    busy = sum(e - s for s, e in spans) / (2 * (last - first))
+    print(f"{task}: {count} bodies of 0.3 s, Concurrency(2): utilization {busy:.2f}")
+    return {"utilization": busy}
+
+
+@pytest.mark.parametrize("task", ["slotted", "slotted_by_decorator", "slotted_by_rules"])
+def test_three_nodes_never_run_more_bodies_at_once_than_the_limit(
+    start_nodes: Callable[..., Nodes], task: str
+) -> None:
+    nodes = start_nodes()
+    drain_slots(nodes, task, 24)
+
+
+@pytest.mark.parametrize(
+    ("pool", "concurrency"), [("threads", 4), ("solo", 1), ("gevent", 20), ("eventlet", 20)]
+)
+def test_every_pool_holds_and_releases_slots(
+    start_nodes: Callable[..., Nodes], pool: str, concurrency: int
+) -> None:
+    nodes = start_nodes(pool=pool, concurrency=concurrency, count=2)
+    drain_slots(nodes, "slotted", 12)
+
+
+def test_every_exit_of_a_body_gives_its_slot_back(start_nodes: Callable[..., Nodes]) -> None:
+    """Success, an exception and a self.retry() each end a body: 12 tasks (4 fail, 4
+    retry once) all run within Concurrency(2), none waits on a slot never given back."""
+    nodes = start_nodes()
+    ids = [nodes.send("slotted_failing", i).id for i in range(12)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(nodes.ends()) < 16:
+        time.sleep(0.1)
+    spans = bodies(nodes, ids)
+    assert len(spans) == 16  # 12 first runs, 4 retries
+    assert most_at_once(spans) <= 2
+
+
+def test_a_killed_workers_slot_comes_back_after_its_lease(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    """Concurrency(1, lease=3): a body's node is SIGKILLed mid-body; another task waits
+    while the lease runs, then runs on the surviving node."""
+    nodes = start_nodes(count=2)
+    client = nodes.redis()
+    first = nodes.send("leased", 0, 60).id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(r["id"] == first for r in nodes.runs()):
+        time.sleep(0.05)
+    run = next(r for r in nodes.runs() if r["id"] == first)
+    victim = next(i for i, p in enumerate(nodes.procs) if f"node{i + 1}-" in run["hostname"])
+    time.sleep(0.5)  # past its first renewal or not: either way the lease is 3 s
+    seconds, micros = client.time()
+    killed = seconds * 1_000_000 + micros
+    os.killpg(nodes.procs[victim].pid, signal.SIGKILL)
+    second = nodes.send("leased", 1, 0.1).id
+    wait_for(nodes, [second], 30)
+    runs = [r for r in nodes.runs() if r["id"] == second]
+    assert len(runs) == 1, "the second task never ran"
+    started = runs[0]["t"]
+    # not before the slot's lease ran out (3 s after its last renewal, itself at or
+    # after the body's start), and not long after
+    assert started >= run["t"] + 3_000_000
+    assert started >= killed
+    assert started <= killed + 3_000_000 + 1_000_000 + 5_000_000
+
+
+def test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    """Task 0's body raises UpstreamRateLimited("2"); once the pause is written, 30
+    more tasks of the key are sent: no body of the key starts inside the pause, task
+    0 runs again after it without using a retry, nothing is lost."""
+    nodes = start_nodes()
+    client = nodes.redis()
+    first = nodes.send("calls_upstream", 0, 2).id
+    settings = f"{nodes.prefix}:{{upstream}}:settings"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not client.hget(settings, "pause"):
+        time.sleep(0.01)
+    until = int(float(client.hget(settings, "pause") or 0))
+    raised = int(client.get(f"{nodes.prefix}:429") or 0)
+    assert until >= raised + 2_000_000
+    others = [nodes.send("calls_upstream", i, 2).id for i in range(1, 31)]
+    ids = [first, *others]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = Counter(r["id"] for r in nodes.runs())
+        if all(done[i] >= 1 for i in others) and done[first] >= 2:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    runs = [r for r in nodes.runs() if r["id"] in set(ids)]
+    counts = Counter(r["id"] for r in runs)
+    assert counts[first] == 2 and all(counts[i] == 1 for i in others)
+    inside = [r for r in runs if raised < r["t"] < until]
+    assert not inside, f"{len(inside)} bodies started inside the pause"
+    rerun = [r for r in runs if r["id"] == first][-1]
+    assert rerun["retries"] == 0 and rerun["deferrals"] >= 1
+    assert rerun["t"] >= until
