@@ -386,7 +386,7 @@ def _process_settings(task: Any) -> _ProcessSettings:
     return resolved
 
 
-def start_tolerance(limits: tuple[Limit, ...], guard: float) -> float:
+def start_tolerance(limits: tuple[Limit | Concurrency, ...], guard: float) -> float:
     """How late (seconds) a body may start after its grant without a restamp: half the
     slack ``guard`` adds to the tightest window (``lua/sliding_log.lua``: starts are
     checked in windows that much wider than the limit's). With no guard, or with the

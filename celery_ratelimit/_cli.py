@@ -99,7 +99,8 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
         known = _ops.known_limits(app) if app is not None else []
         guard = _ops.guard_for_app(app) if app is not None else 0.0
         rows = _ops.status(limiter, known, guard=guard, match=match)
-        return _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
+        lines = _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
+        return lines + _ops.format_pauses(_ops.pauses(limiter, match))
     finally:
         limiter.client.close()
 

@@ -10,16 +10,16 @@ from typing import Any
 from ._decision import Decision
 from ._exceptions import InvalidLimit
 from ._layout import KeyName, parse_key
-from ._limit import Limit
+from ._limit import AnyLimit, Concurrency
 from ._limiter import PEEK, REDIS_ERRORS
 from ._ops import (
     KeyStatus,
     app_tasks,
-    counter_status,
     guard_for_app,
     in_seconds,
+    key_status,
     limiter_for_app,
-    log_status,
+    pauses,
     server_now_us,
     task_limits,
 )
@@ -27,7 +27,7 @@ from ._ops import (
 
 @dataclass
 class LimitExplanation:
-    limit: Limit
+    limit: AnyLimit
     key: str
     redis_key: str
     cost: int
@@ -45,6 +45,7 @@ class Explanation:
     limits: list[LimitExplanation] = field(default_factory=list)
     decision: Decision | None = None
     error: str | None = None
+    paused: list[tuple[str, float]] = field(default_factory=list)
 
 
 def parse_value(text: str) -> Any:
@@ -97,12 +98,11 @@ def explain(
     try:
         now = server_now_us(limiter.client)
         for limit, key, redis_key, cost in zip(plan.limits, keys, redis_keys, costs, strict=True):
+            window = 0 if isinstance(limit, Concurrency) else limit.rate.window_us
             name = parse_key(limiter.prefix, redis_key) or KeyName(
-                redis_key, key, limit.algorithm, limit.rate.window_us
+                redis_key, key, limit.algorithm, window
             )
-            state = (log_status if limit.algorithm == "log" else counter_status)(
-                limiter.client, name, now
-            )
+            state = key_status(limiter.client, name, now)
             state.limit = limit
             one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
             state.remaining, state.next_free = one.remaining, one.retry_after
@@ -110,6 +110,7 @@ def explain(
         result.decision = limiter.decide(
             redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
         )
+        result.paused = pauses(limiter)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "explain") from exc
     finally:
@@ -131,6 +132,15 @@ def format_explanation(
         return [*lines, f"error     {e.error}"]
     for i, item in enumerate(e.limits, 1):
         s = item.state
+        if isinstance(item.limit, Concurrency):
+            lines += [
+                f"  {i}. {item.limit.label}  (at most {item.limit.n} running at once)",
+                f"     key        {item.key}",
+                f"     redis key  {item.redis_key}",
+                f"     now        {s.used} running, {s.reservations} waiting for a turn;"
+                f" a slot {in_seconds(s.next_free or 0.0)}",
+            ]
+            continue
         lines += [
             f"  {i}. {item.limit.label}  ({item.limit.rate}, {item.limit.algorithm}, "
             f"cost {item.cost})",
@@ -143,10 +153,18 @@ def format_explanation(
     d = e.decision
     if d is None:
         return lines
+    keys = {item.key for item in e.limits}
+    lines += [f"paused    {k}: {in_seconds(left)}" for k, left in e.paused if k in keys]
     if d.allowed:
         lines.append(f"decision  allowed now ({d.remaining} free before this call)")
     else:
-        by = d.limit.label if d.limit is not None else "the limits"
+        by = (
+            "a pause of its key (an upstream's 429)"
+            if d.paused
+            else d.limit.label
+            if d.limit is not None
+            else "the limits"
+        )
         if d.retry_after > max_countdown:
             then = (
                 f"by {max_countdown:g}s, the ratelimit_max_countdown cap, without a "

@@ -365,7 +365,7 @@ class Limiter:
     def decide(
         self,
         keys: list[str],
-        limits: tuple[Limit, ...],
+        limits: tuple[Limit | Concurrency, ...],
         cost: int | Sequence[int],
         mode: int,
         *,
@@ -420,7 +420,11 @@ class Limiter:
         return every + settings
 
     def _run(
-        self, every: list[str], numbers: bytes, limits: tuple[Limit, ...], token_bytes: bytes
+        self,
+        every: list[str],
+        numbers: bytes,
+        limits: tuple[Limit | Concurrency, ...],
+        token_bytes: bytes,
     ) -> Decision | None:
         """One script call and its Decision; None if the reservation ``token_bytes``
         names was already started on (``SPENT``)."""

@@ -20,8 +20,17 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ._keys import escape_key
-from ._layout import COUNTER_FIELDS, KeyName, log_entries, parse_key, prefix_glob
-from ._limit import Limit, to_limits
+from ._layout import (
+    COUNTER_FIELDS,
+    PAUSE_FIELD,
+    PENDING,
+    STARTS,
+    KeyName,
+    log_entries,
+    parse_key,
+    prefix_glob,
+)
+from ._limit import AnyLimit, Concurrency, Limit, to_limits
 from ._limiter import PEEK, REDIS_ERRORS, Limiter
 from ._rate import Rate
 from ._settings import redis_url, setting
@@ -37,19 +46,21 @@ _VALUE = r"[A-Za-z0-9_.@%#-]+"
 class KnownLimit:
     """A limit the app declares, and which logical keys it can produce."""
 
-    limit: Limit
+    limit: AnyLimit
     pattern: re.Pattern[str]
     source: str
 
     def matches(self, name: KeyName) -> bool:
+        limit = self.limit
+        window = 0 if isinstance(limit, Concurrency) else limit.rate.window_us
         return (
-            name.algorithm == self.limit.algorithm
-            and name.window_us == self.limit.rate.window_us
+            name.algorithm == limit.algorithm
+            and name.window_us == window
             and self.pattern.fullmatch(name.key) is not None
         )
 
 
-def _key_pattern(limit: Limit, task_name: str | None) -> re.Pattern[str] | None:
+def _key_pattern(limit: AnyLimit, task_name: str | None) -> re.Pattern[str] | None:
     key = limit.key
     if key is None:
         return re.compile(re.escape(escape_key(task_name))) if task_name else None
@@ -116,7 +127,7 @@ class KeyStatus:
     used: int
     reserved: int = 0
     reservations: int = 0
-    limit: Limit | None = None
+    limit: AnyLimit | None = None
     sources: list[str] = field(default_factory=list)
     remaining: int | None = None
     next_free: float | None = None
@@ -142,6 +153,38 @@ def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     if oldest is not None:
         status.oldest_leaves = (oldest + name.window_us - now) / 1_000_000
     return status
+
+
+def concurrency_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    """Bodies holding a slot (``used``) and calls waiting for their turn."""
+    key = name.redis_key
+    waiting = client.zcard(key + PENDING)
+    return KeyStatus(name, used=client.zcard(key + STARTS), reserved=waiting, reservations=waiting)
+
+
+def key_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    """The state of one limit's key, whatever its algorithm."""
+    read = {"log": log_status, "counter": counter_status, "conc": concurrency_status}
+    return read[name.algorithm](client, name, now)
+
+
+def pauses(limiter: Limiter, match: str | None = None) -> list[tuple[str, float]]:
+    """``(key, seconds left)`` of every paused key (``Limiter.pause``, a 429)."""
+    client = limiter.client
+    found = []
+    try:
+        now = server_now_us(client)
+        for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
+            name = _text(raw)
+            until = client.hget(name, PAUSE_FIELD)
+            if until is None or float(until) <= now:
+                continue
+            key = name[len(limiter.prefix) + 2 : -len(":settings")].replace("}", "", 1)
+            if match is None or fnmatchcase(key, match):
+                found.append((key, (float(until) - now) / 1_000_000))
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "a status read") from exc
+    return sorted(found)
 
 
 def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
@@ -188,7 +231,7 @@ def status(
             key=lambda n: (n.key, n.window_us, n.algorithm),
         )
         for name in names:
-            row = (log_status if name.algorithm == "log" else counter_status)(client, name, now)
+            row = key_status(client, name, now)
             if row.used == 0 and row.reserved == 0:
                 continue  # everything in it has left the window: the key is idle
             ttl = client.pttl(name.redis_key)
@@ -221,6 +264,8 @@ def in_seconds(value: float) -> str:
 
 
 def _window(window_us: int) -> str:
+    if window_us == 0:
+        return "-"
     text = str(Rate(1, window_us)).split("/", 1)[1]
     return text if text[0].isdigit() else "1" + text
 
@@ -233,7 +278,12 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     header = ("KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "NEXT FREE", "LIMIT")
     table = [header]
     for row in rows:
-        if row.limit is not None:
+        if isinstance(row.limit, Concurrency):
+            used = f"{row.used}/{row.limit.n} running"
+            remaining = str(row.remaining)
+            free = in_seconds(row.next_free or 0.0)
+            label = f"{row.limit.label} ({', '.join(row.sources)})"
+        elif row.limit is not None:
             used = f"{row.used}/{row.limit.rate.limit}"
             remaining = str(row.remaining)
             free = in_seconds(row.next_free or 0.0)
@@ -264,17 +314,26 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     for r in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     lines.append(
-        "USED: weight counted in the window until now; RESERVED: future slots held by "
-        "deferred tasks (REMAINING and NEXT FREE count them)."
+        "USED: weight counted in the window until now (ALG conc: bodies running); "
+        "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "
+        "turn; REMAINING and NEXT FREE count them)."
     )
     return lines
+
+
+def format_pauses(paused: Sequence[tuple[str, float]]) -> list[str]:
+    """The lines ``status`` prints about paused keys."""
+    return [f"paused {key}: nothing is granted on it {in_seconds(left)}" for key, left in paused]
 
 
 __all__ = [
     "KeyName",
     "KeyStatus",
     "KnownLimit",
+    "format_pauses",
     "format_status",
+    "key_status",
     "known_limits",
+    "pauses",
     "status",
 ]

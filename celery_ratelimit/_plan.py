@@ -16,14 +16,14 @@ from typing import Any
 
 from ._exceptions import InvalidLimit
 from ._keys import escape_key, render
-from ._limit import Concurrency, Limit, check_cost, to_limits
+from ._limit import AnyLimit, Concurrency, Limit, check_cost, to_limits
 
 
 @dataclass(frozen=True)
 class Plan:
     """What a task's limits need per call, worked out once per task class."""
 
-    limits: tuple[Limit, ...]
+    limits: tuple[AnyLimit, ...]
     signature: inspect.Signature | None
     task_name: str
     #: keys and costs when no limit depends on the call's arguments (worked out once)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_ratelimit import Limit, Limiter, Rate
+from celery_ratelimit import Concurrency, Limit, Limiter, Rate
 from tests.examples_env import run
 from tests.redis_server import RedisServer
 
@@ -231,3 +231,28 @@ def test_the_demo_verdict_is_by_starts_and_says_by_how_much_and_why() -> None:
         "the shared limit held: no window saw more task starts than the limit",
     )
     assert not Report(3, 2, rate, 2, 2, 1.1, 1.0, 6, 2, runs[1:]).verdict()[0]
+
+
+def test_status_and_explain_show_running_bodies_waiters_and_a_pause(
+    server: RedisServer, env: dict[str, str]
+) -> None:
+    """A concurrency limit's row says how many bodies run and how many wait; a paused
+    key is listed with the time left; explain says the call waits for the pause."""
+    erp = "examples.erp_sync"
+    limiter = Limiter.from_url(server.url, prefix="example-erp")
+    one = [Concurrency(1, key="acme:erp")]
+    assert limiter.acquire("x", one).allowed
+    assert limiter.acquire("x", one, reserve=True).reserved
+    limiter.pause("erp", 30)
+    out = cli("status", "-A", erp, env=env)
+    acme = row(out, "acme:erp")
+    assert acme[1:7] == ["-", "conc", "1/1", "running", "0", "1"]
+    assert "{tenant}:erp@1 at once" in out
+    assert re.search(r"^paused erp: nothing is granted on it in 29\.\d+s$", out, re.M)
+    out = cli("explain", "-A", erp, f"{erp}.sync_page", "acme", "1", env=env)
+    assert "1. erp@20/s" in out or "erp@20/s" in out
+    assert "{tenant}:erp@1 at once  (at most 1 running at once)" in out
+    assert "now        1 running, 1 waiting for a turn" in out
+    assert re.search(r"^paused    erp: in 29\.\d+s$", out, re.M)
+    assert "decision  denied by a pause of its key (an upstream's 429)" in out
+    limiter.client.close()

@@ -66,6 +66,24 @@ def test_per_tenant_api_keeps_each_tenant_within_its_own_limit(
     assert "every tenant stayed within its limit" in result.stdout
 
 
+def test_erp_sync_holds_one_session_per_tenant_and_honours_the_erps_429s(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    from tests.redis_server import free_port
+
+    env = env_for(*servers, ERP_PORT=str(free_port()), ERP_PAGES="6", ERP_BUSY_EVERY="7")
+    with workers("examples.erp_sync", env, count=2):
+        result = run(sys.executable, "-m", "examples.erp_sync", "produce", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "pages synced                     18 of 18" in out
+    assert "most open sessions of one tenant 1 (the ERP allows 1)" in out
+    refused = int(re.search(r"429s answered\s+(\d+)", out)[1])  # type: ignore[index]
+    assert refused >= 1
+    assert "requests while the ERP was busy  0" in out
+    assert "result: the ERP's limits held" in out
+
+
 def test_existing_project_gets_rules_without_touching_its_tasks(
     servers: tuple[RedisServer, RedisServer],
 ) -> None:
