@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import (
+    Concurrency,
     InvalidLimit,
     InvalidRate,
     Limit,
@@ -156,6 +157,20 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     counter = Limit("2/300ms", key=f"acl:c{n}", algorithm="counter")
     got = [limiter.acquire(f"acl:c{n}", counter) for _ in range(3)]
     assert [d.allowed for d in got] == [True, True, False], got
+    # concurrency slots: held, denied, a turn in line, renewed, released; a pause
+    slots = [Limit("5/300ms", key=f"acl:k{n}"), Concurrency(1, key=f"acl:k{n}", lease=0.2)]
+    held = limiter.acquire(f"acl:k{n}", slots)
+    assert held.allowed and held.token
+    waiter = limiter.acquire(f"acl:k{n}", slots, reserve=True)
+    assert waiter.reserved and waiter.token
+    assert limiter.renew(held.token, f"acl:k{n}", slots)
+    limiter.release(held.token, f"acl:k{n}", slots)
+    time.sleep(waiter.retry_after + 0.01)  # its turn
+    assert limiter.confirm(waiter.token, f"acl:k{n}", slots).allowed
+    time.sleep(0.25)  # its lease runs out
+    assert limiter.acquire(f"acl:k{n}", [Concurrency(1, key=f"acl:k{n}")]).allowed
+    limiter.pause(f"acl:k{n}", 0.2)
+    assert limiter.acquire(f"acl:k{n}", slots).paused
     limiter.reset(f"acl:a{n}", limit)
     limiter.client.time()
     limiter.client.ping()
