@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 
 from benchmarks.bench_limiter import floor_script
-from celery_ratelimit import Limit, RateLimitedTask, _clock
+from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited, _clock
 from celery_ratelimit._client import HeldConnection
 
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
@@ -40,7 +40,7 @@ _client: redis.Redis | None = None
 _held: HeldConnection | None = None
 
 
-def record(task: Any) -> None:
+def record(task: Any) -> int:
     """The body's start, read from this process's clock moved to Redis time (the offset
     the library keeps; every node shares the machine's clock here). A ``TIME`` call
     would stamp when the limiter's redis-server answered: on a loaded VM that server
@@ -55,6 +55,7 @@ def record(task: Any) -> None:
     granted = int(decision.at * 1_000_000) if decision else now
     deferrals = getattr(task.request, "ratelimit_deferrals", 0) or 0
     _client.rpush(f"bench:runs:{task.name.rsplit('.', 1)[-1]}", f"{now} {granted} {deferrals}")
+    return now
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="reserved"), bind=True)
@@ -144,3 +145,40 @@ def one_floor_call(self: Any) -> None:
     if _floor_sha is None:
         _floor_sha = _client.script_load(FLOOR_SCRIPT)
     _held.call("EVALSHA", _floor_sha, 1, "bench:floor", os.urandom(8))
+
+
+#: Row 12: bodies of BODY seconds under Concurrency(2), shared by every node.
+BODY = float(os.environ.get("CRL_BENCH_BODY", "0.2"))
+
+
+@app.task(base=RateLimitedTask, ratelimit=Concurrency(2, key="slots"), bind=True)
+def slotted(self: Any, key: str = "") -> None:
+    """A body holding a slot for BODY seconds; its span goes to ``bench:spans``."""
+    start = record(self)
+    time.sleep(BODY)
+    end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
+    assert _client is not None
+    _client.rpush("bench:spans", f"{start} {end}")
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=[Limit("100/s", key="upstream"), Concurrency(4, key="upstream")],
+    bind=True,
+)
+def upstream(self: Any, pause: float = 0.0) -> None:
+    """The first call given a ``pause`` is answered 429 (Retry-After: pause)."""
+    now = record(self)
+    assert _client is not None
+    if pause and _client.set("bench:429", now, nx=True):
+        raise UpstreamRateLimited(pause)
+
+
+@app.task(bind=True)
+def plain_body(self: Any) -> None:
+    """The anchor of row 12: the same body, no limit (one node of -c 2 caps it)."""
+    start = record(self)
+    time.sleep(BODY)
+    end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
+    assert _client is not None
+    _client.rpush("bench:spans", f"{start} {end}")

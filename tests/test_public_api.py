@@ -15,7 +15,17 @@ CONTRACT = {
     "install",
     "RateLimitError",
     "RateLimitExceeded",
+    # Contract additions (0.2)
+    "Concurrency",
+    "UpstreamRateLimited",
 }
+
+
+def test_contract_additions_have_their_methods() -> None:
+    from celery_ratelimit import Limiter
+
+    assert callable(Limiter.pause)
+    assert callable(Limiter.release)
 
 
 def test_every_contract_name_is_exported() -> None:

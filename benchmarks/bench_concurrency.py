@@ -1,0 +1,176 @@
+"""Concurrency limits across nodes: ``python -m benchmarks.bench_concurrency``.
+
+Three ``celery worker`` nodes (prefork, concurrency 3) drain a backlog of tasks whose
+bodies hold a slot of ``Concurrency(2)`` for 0.2 s each, sent at once, twice: first on
+a new key (no body has ended yet: the limit guesses a body's time), then again (it has
+learnt the average). Each drain's figures: busy-slot utilization (the bodies' time /
+(2 x the drain's span, first start to last end)), the most bodies running at once,
+limiter decisions per task (the EVALSHA calls less one release per body and the park's
+calls; 2 is the ideal: the first execution, which takes a turn, and the copy's
+confirmation), drain / ideal (the backlog's bodies back to back on 2 slots). The
+anchor: the same bodies on one node of concurrency 2 with no limit, the usual way to
+cap concurrency (one dedicated worker) without sharing it.
+
+The pause row: one task's body is answered 429 with Retry-After 2 s; 60 more tasks of
+the key are sent once the pause is written; how many bodies start inside the pause
+(0 is the invariant), and how long after its end the first one starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.docs_tables import markdown
+from celery_ratelimit._park import park_calls
+from celery_ratelimit._rate import Rate
+
+BODY = 0.2
+SLOTS = 2
+BACKLOG = 60
+
+
+def most_at_once(spans: list[tuple[int, int]]) -> int:
+    events = sorted([(s, 1) for s, _ in spans] + [(e, 0) for _, e in spans])
+    running = most = 0
+    for _, starting in events:
+        running += 1 if starting else -1
+        most = max(most, running)
+    return most
+
+
+def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
+    client = bench.client
+    client.delete("bench:spans", f"bench:runs:{name}")
+    client.config_resetstat()
+    park_before = park_calls(client, "bench")
+    task = getattr(bench.tasks, name)
+    for _ in range(count):
+        task.delay()
+    deadline = time.monotonic() + count * BODY * 4 + 60
+    while client.llen("bench:spans") < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    spans = [tuple(int(x) for x in raw.split()) for raw in client.lrange("bench:spans", 0, -1)]
+    stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    evalsha = int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
+    decisions = evalsha - (park_calls(client, "bench") - park_before) - len(spans)
+    first = min(s for s, _ in spans)
+    last = max(e for _, e in spans)
+    busy = sum(e - s for s, e in spans)
+    ideal = count * BODY / slots
+    return {
+        "executed": len(spans),
+        "utilization": round(busy / (slots * (last - first)), 3),
+        "most_at_once": most_at_once(spans),  # type: ignore[arg-type]
+        "decisions_per_task": round(decisions / max(len(spans), 1), 3),
+        "drain_over_ideal": round((last - first) / 1e6 / ideal, 3),
+    }
+
+
+def run_slots(broker: str = "redis") -> dict[str, Any]:
+    bench = Bench(broker, Rate.parse("1/s"), 0, 0, concurrency=3)
+    bench.nodes.env["CRL_BENCH_BODY"] = str(BODY)
+    try:
+        bench.nodes.start(bench.tasks.app)
+        cold = drain(bench, "slotted", BACKLOG, SLOTS)
+        warm = drain(bench, "slotted", BACKLOG, SLOTS)
+    finally:
+        bench.close()
+    anchor = Bench(broker, Rate.parse("1/s"), 0, 0, concurrency=SLOTS)
+    anchor.nodes.count = 1
+    anchor.nodes.env["CRL_BENCH_BODY"] = str(BODY)
+    try:
+        anchor.nodes.start(anchor.tasks.app)
+        one_node = drain(anchor, "plain_body", BACKLOG, SLOTS)
+    finally:
+        anchor.close()
+    return {"broker": broker, "cold": cold, "warm": warm, "anchor_one_node": one_node}
+
+
+def run_pause(broker: str = "redis", pause: float = 2.0, count: int = 60) -> dict[str, Any]:
+    bench = Bench(broker, Rate.parse("1/s"), 0, 0)
+    client = bench.client
+    try:
+        bench.nodes.start(bench.tasks.app)
+        bench.tasks.upstream.delay(pause)
+        settings = "bench:{upstream}:settings"
+        deadline = time.monotonic() + 30
+        while not client.hget(settings, "pause") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        until = int(float(client.hget(settings, "pause") or 0))
+        raised = int(client.get("bench:429") or 0)
+        for _ in range(count):
+            bench.tasks.upstream.delay()
+        deadline = time.monotonic() + 60
+        while client.llen("bench:runs:upstream") < count + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        starts = [int(raw.split()[0]) for raw in client.lrange("bench:runs:upstream", 0, -1)]
+    finally:
+        bench.close()
+    later = sorted(s for s in starts if s > raised)
+    return {
+        "broker": broker,
+        "pause_s": pause,
+        "executed": len(starts),
+        "sent": count + 1,
+        "starts_inside_pause": sum(raised < s < until for s in starts),
+        "first_start_after_pause_ms": round((later[0] - until) / 1000, 1) if later else None,
+    }
+
+
+def run_all() -> dict[str, Any]:
+    return {"slots": run_slots(), "pause": run_pause()}
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    """The markdown table of docs/benchmarks.md, row 12."""
+    s = results["slots"]
+    rows = []
+    for label, d in (
+        ("Concurrency(2), first drain on a new key", s["cold"]),
+        ("Concurrency(2), the average learnt", s["warm"]),
+        ("anchor: one node -c 2, no limit", s["anchor_one_node"]),
+    ):
+        rows.append(
+            (
+                label,
+                f"{d['utilization']:.2f}",
+                str(d["most_at_once"]),
+                f"{d['decisions_per_task']:.2f}" if "anchor" not in label else "-",
+                f"{d['drain_over_ideal']:.2f}",
+            )
+        )
+    header = (
+        f"{BACKLOG} bodies of {BODY:g} s, 3 nodes",
+        "busy-slot utilization",
+        "most at once",
+        "decisions / task",
+        "drain / ideal",
+    )
+    lines = markdown(header, rows, right=1)
+    p = results["pause"]
+    lines += [
+        "",
+        f"A 429 with Retry-After {p['pause_s']:g} s, then {p['sent'] - 1} tasks of the key: "
+        f"{p['starts_inside_pause']} bodies started inside the pause; the first after it "
+        f"{p['first_start_after_pause_ms']} ms after its end; {p['executed']} executions "
+        f"for {p['sent']} tasks (the one answered 429 runs twice).",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.parse_args()
+    results = run_all()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "concurrency.json").write_text(json.dumps(results, indent=2))
+    print("\n".join(table(results)))
+
+
+if __name__ == "__main__":
+    main()
