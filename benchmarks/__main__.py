@@ -4,7 +4,8 @@ Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 
 there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
 the starts on every pool (``bench_pools``), backlogs of 10-100x the limit
 (``bench_scale``) and each script path's Redis time against the limit's size
-(``bench_script_scale``, both drawn as ``benchmarks/results/scale.png``),
+(``bench_script_scale``, both drawn as ``benchmarks/results/scale.png``), concurrency
+limits and a 429 pause across nodes (``bench_concurrency``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -22,6 +23,7 @@ from typing import Any
 
 from benchmarks import (
     bench_celery,
+    bench_concurrency,
     bench_limiter,
     bench_pools,
     bench_scale,
@@ -227,6 +229,23 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 "<= 2.0",
                 ratio <= 2.0,
             )
+    slots = results.get("concurrency", {}).get("slots")
+    if slots:
+        for tag in ("cold", "warm"):
+            d = slots[tag]
+            what = "first drain" if tag == "cold" else "average learnt"
+            add(f"12. busy-slot utilization, Concurrency(2), {what}", d["utilization"], ">= 0.9",
+                d["utilization"] >= 0.9)  # fmt: skip
+            add(f"12. most bodies at once / 2, {what}", d["most_at_once"] / 2, "1.00",
+                d["most_at_once"] <= 2)  # fmt: skip
+            add(f"12. limiter decisions / task, {what}", d["decisions_per_task"], "<= 2.0",
+                d["decisions_per_task"] <= 2.0)  # fmt: skip
+        add("12. anchor: busy-slot utilization, one node -c 2",
+            slots["anchor_one_node"]["utilization"], "anchor", None)  # fmt: skip
+    pause = results.get("concurrency", {}).get("pause")
+    if pause:
+        inside = pause["starts_inside_pause"]
+        add("12. bodies started inside a 2 s 429 pause (3 nodes)", inside, "0", inside == 0)
     return out
 
 
@@ -307,6 +326,7 @@ def main() -> None:
     results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
     results["scale"] = timed("scale", bench_scale.run_all)
     results["script_scale"] = timed("script scale", bench_script_scale.run)
+    results["concurrency"] = timed("concurrency", bench_concurrency.run_all)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)
@@ -328,6 +348,7 @@ def main() -> None:
         ],
     )
     docs_tables.write("row 10", bench_scale.table(results["scale"]))
+    docs_tables.write("row 12", bench_concurrency.table(results["concurrency"]))
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
     if curves.plot(results["scale"], results["script_scale"], RESULTS / "scale.png"):
