@@ -30,7 +30,8 @@ def ratelimit(
 
     Args:
         rate: a rate string (then ``key``, ``cost`` and ``algorithm`` build the
-            :class:`Limit`), a :class:`Limit`, or a list of Limits.
+            :class:`Limit`), a :class:`Limit`, a :class:`Concurrency`, or a list of
+            them (checked all or nothing).
         key, cost, algorithm: as for :class:`Limit`, when ``rate`` is a string.
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).

@@ -76,6 +76,20 @@ def redis_key(prefix: str, key: str, limit: Limit | Concurrency) -> str:
     return f"{_base(prefix, key)}:{limit.algorithm}:{limit.rate.window_us}"
 
 
+def script_keys(keys: list[str], limits: tuple[Any, ...]) -> list[str]:
+    """A script call's KEYS for the limits' Redis ``keys`` (rate limits first): the
+    rate limits' keys, then (log) each one's pending set, then each concurrency limit's
+    key and companions, then each limit's settings hash."""
+    settings = [k.rsplit(":", 2)[0] + ":settings" for k in keys]
+    rates = [k for k, limit in zip(keys, limits, strict=True) if isinstance(limit, Limit)]
+    every = list(rates)
+    if rates and limits[0].algorithm == "log":
+        every += [k + PENDING for k in rates]
+    for k in keys[len(rates) :]:
+        every += [k, *companions(k)]
+    return every + settings
+
+
 def settings_key(prefix: str, key: str) -> str:
     """The settings hash (a pause) of the (already escaped) ``key``."""
     return f"{_base(prefix, key)}:settings"

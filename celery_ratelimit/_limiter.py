@@ -14,7 +14,7 @@ from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
 from ._failures import not_redis_error, redis_versions, translate, version_error
 from ._keys import escape_key
 from ._keys import escape_key as _escape
-from ._layout import PENDING, companions, keys_of, redis_key, settings_key
+from ._layout import companions, keys_of, redis_key, script_keys, settings_key
 from ._limit import Concurrency, Limit, LimitSpec, describe, rate_algorithm, to_limits
 from ._scripts import DEFAULT_HORIZON, Shape, pause_numbers, shape, source
 from ._upstream import seconds_from
@@ -334,21 +334,7 @@ class Limiter:
         """One decision of ``shape`` for ``key``: a code-given key, or a tuple of escaped
         keys, one per limit (as :meth:`keys_for` takes them); or, when ``redis_keys``
         are given (from :meth:`keys_for`, or found by a scan), for them (``key`` is
-        then ``()``).
-
-        The shape's ``cost`` is one cost for every limit, or one per limit (a units
-        quota and a per-call cap checked together). ``guard`` (seconds; at most 4% of
-        each window is used) widens the windows in which calls are *placed*, while a
-        confirmed reservation starts as soon as its cost fits a window only half of it
-        wider: a task that starts up to half of ``guard`` after its slot costs no extra
-        wait, and bodies that begin up to half of it after their recorded start still
-        never put more than the limit in a window (the Celery layer's
-        ``ratelimit_guard``).
-
-        ``hold`` (seconds, ``"log"`` only): a reservation or confirmation whose start is
-        at most this far ahead is counted as started at that instant and answered
-        ``allowed`` with ``retry_after`` > 0: the caller waits that long, then runs,
-        with no second call (the Celery layer waits in-process up to 0.2 s).
+        then ``()``). What a shape's cost, guard and hold mean: see ``_scripts.Shape``.
         """
         if redis_keys is None:
             every, numbers = self._prepared(key, shape)
@@ -399,8 +385,7 @@ class Limiter:
         return sends
 
     def _every(self, keys: list[str], limits: tuple[Any, ...]) -> list[str]:
-        """The script's KEYS: the rate limits' keys, then (log) each one's pending set,
-        then each concurrency limit's three keys, then each limit's settings hash.
+        """The script's KEYS for the limits' ``keys`` (see ``_layout.script_keys``).
 
         Raises:
             InvalidLimit: on Redis Cluster, keys that do not share one hash tag.
@@ -410,14 +395,7 @@ class Limiter:
                 f"limits checked together must share their hash tag (the key's first "
                 f"segment) on Redis Cluster, got keys {keys}"
             )
-        settings = [k.rsplit(":", 2)[0] + ":settings" for k in keys]
-        rates = [k for k, limit in zip(keys, limits, strict=True) if isinstance(limit, Limit)]
-        every = list(rates)
-        if rates and limits[0].algorithm == "log":
-            every += [k + PENDING for k in rates]
-        for k in keys[len(rates) :]:
-            every += [k, *companions(k)]
-        return every + settings
+        return script_keys(keys, limits)
 
     def _run(
         self,

@@ -48,8 +48,20 @@ class Shape:
     """What a script call sends besides its keys and token: the limits (rate limits,
     then concurrency limits), the cost (one for every limit, or one per limit), the
     mode, the options of the Celery layer (``horizon``, ``guard`` and ``hold``, in
-    seconds; see ``Limiter._call``) and the lease of a concurrency limit that gives
+    seconds) and the lease of a concurrency limit that gives
     none (seconds; None: ``DEFAULT_LEASE``).
+
+    ``cost`` is one cost for every limit, or one per limit (a units quota and a
+    per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
+    used) widens the windows in which calls are *placed*, while a confirmed reservation
+    starts as soon as its cost fits a window only half of it wider: a task that starts
+    up to half of ``guard`` after its slot costs no extra wait, and bodies that begin
+    up to half of it after their recorded start still never put more than the limit in
+    a window (the Celery layer's ``ratelimit_guard``). ``hold`` (seconds, ``"log"``
+    only): a reservation or confirmation whose start is at most this far ahead is
+    counted as started at that instant and answered ``allowed`` with ``retry_after`` >
+    0: the caller waits that long, then runs, with no second call (the Celery layer
+    waits in-process up to 0.2 s).
 
     Hashable, so a limiter remembers what it sends for a shape; its packed numbers are
     worked out, and checked, once.

@@ -229,9 +229,10 @@ class RateLimitedTask(Task):  # type: ignore[misc]
 
     Options (as ``@app.task(base=RateLimitedTask, ...)`` keywords or class attributes):
 
-    - ``ratelimit``: a rate string (``"10/s"``), a :class:`Limit`, or a list of Limits
-      (checked all or nothing). Keys are templates formatted from the call's arguments
-      (``Limit("100/m", key="api:{tenant}")``); the default key is the task name.
+    - ``ratelimit``: a rate string (``"10/s"``), a :class:`Limit`, a
+      :class:`Concurrency`, or a list of them (checked all or nothing). Keys are
+      templates formatted from the call's arguments (``Limit("100/m",
+      key="api:{tenant}")``); the default key is the task name.
     - ``ratelimit_max_countdown``, ``ratelimit_max_deferrals``, ``ratelimit_reserve``,
       ``ratelimit_on_redis_error``: override the ``app.conf`` settings for this task.
 
