@@ -122,8 +122,8 @@ class Check:
         return setting(name, self.task.app, self.task, self.request)
 
     def decide(self, token: str | None, restamp: bool = False, reserve: bool = False) -> Decision:
-        """One limiter call: confirm the reservation ``token``, else acquire (with
-        ``reserve``, reserving whatever ``ratelimit_reserve`` says); or, with
+        """One limiter call: confirm the reservation ``token``, else acquire (reserving
+        a slot when denied if ``reserve`` or ``ratelimit_reserve`` says so); or, with
         ``restamp``, start the grant ``token`` anew (see :meth:`start`)."""
         first = RESERVE if reserve else self.first_mode
         self.mode = RESTAMP if restamp else CONFIRM if token else first
