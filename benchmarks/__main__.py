@@ -285,7 +285,16 @@ def plot(results: dict[str, Any], path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller backlog")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="sections to leave out, comma-separated: pools, scale, script-scale, concurrency",
+    )
     args = parser.parse_args()
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
+    unknown = skip - {"pools", "scale", "script-scale", "concurrency"}
+    if unknown:
+        parser.error(f"unknown sections to skip: {', '.join(sorted(unknown))}")
     started = time.monotonic()
     rounds, calls = (3, 1000) if args.quick else (9, 2000)
     results: dict[str, Any] = {"machine": machine()}
@@ -323,10 +332,14 @@ def main() -> None:
         results["celery_rabbitmq"] = timed(
             "celery rabbitmq", bench_celery.run, "rabbitmq", "20/s", backlog, overhead
         )
-    results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
-    results["scale"] = timed("scale", bench_scale.run_all)
-    results["script_scale"] = timed("script scale", bench_script_scale.run)
-    results["concurrency"] = timed("concurrency", bench_concurrency.run_all)
+    if "pools" not in skip:
+        results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
+    if "scale" not in skip:
+        results["scale"] = timed("scale", bench_scale.run_all)
+    if "script-scale" not in skip:
+        results["script_scale"] = timed("script scale", bench_script_scale.run)
+    if "concurrency" not in skip:
+        results["concurrency"] = timed("concurrency", bench_concurrency.run_all)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)
@@ -342,16 +355,22 @@ def main() -> None:
         "all rows",
         [
             f"{results['machine']}, Redis {results['limiter']['redis_version']}, "
-            f"{results['seconds']:.0f} s:",
+            f"{results['seconds']:.0f} s"
+            + (f" (rows of {', '.join(sorted(skip))} not run: see their sections)" if skip else "")
+            + ":",
             "",
             *markdown(("figure", "measured", "target"), shown),
         ],
     )
-    docs_tables.write("row 10", bench_scale.table(results["scale"]))
-    docs_tables.write("row 12", bench_concurrency.table(results["concurrency"]))
+    if "scale" in results:
+        docs_tables.write("row 10", bench_scale.table(results["scale"]))
+    if "concurrency" in results:
+        docs_tables.write("row 12", bench_concurrency.table(results["concurrency"]))
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
-    if curves.plot(results["scale"], results["script_scale"], RESULTS / "scale.png"):
+    if {"scale", "script_scale"} <= results.keys() and curves.plot(
+        results["scale"], results["script_scale"], RESULTS / "scale.png"
+    ):
         print(f"plot: {RESULTS / 'scale.png'}")
     parts = ", ".join(f"{name} {secs}s" for name, secs in sections.items())
     print(f"raw figures: {RESULTS / 'all.json'} ({results['seconds']}s in all: {parts})")
