@@ -92,7 +92,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             add(f"2. server us, {floor}", b[floor]["usec_per_call"], "bound", None)
     if "cost 1 / floor" in b:
         add("2. server us, cost 1 / the 4-command floor", b["cost 1 / floor"], "", None)
-    for name in ("cost 100", "cost 1, 2 limits", "cost 1, 4 limits"):
+    for name in ("cost 100", "cost 1, 2 limits", "cost 1, 4 limits", "cost 1, rate overridden"):
         if name in b:
             add(f"2. server us/decision, {name}", b[name]["usec_per_call"], "", None)
     for name, row in results["limiter"]["c_memory"].items():

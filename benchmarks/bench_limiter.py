@@ -76,6 +76,7 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     client = server.client()
     limiter = Limiter(client, prefix="bench-a")
     free = [Limit("1000000000/s")]
+    free_and_day = [*free, Limit("1000000000/d", align="America/Los_Angeles")]
     binding = [Limit("100/s")]
     # the bounds send on a connection of their own, as the limiter does (HeldConnection)
     held = HeldConnection.for_client(server.client())
@@ -86,6 +87,8 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
         "ping": client.ping,
         "acquire (not binding)": lambda: limiter.acquire("free", free),
         "acquire (binding)": lambda: limiter.acquire("busy", binding),
+        # its zone's window boundaries worked out and sent with the call (no round trip)
+        "acquire (not binding, + aligned day)": lambda: limiter.acquire("day", free_and_day),
         "bound: PING on a held connection": lambda: held.call("PING"),
         "bound: EVALSHA of 'return 1'": lambda: held.call("EVALSHA", noop, 0),
         "bound: floor script (4 commands)": lambda: held.call(
@@ -149,7 +152,17 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
         "cost 1000": ([Limit(f"1000000000/{windows[0]}")], 1000),
         "cost 1, 2 limits": ([Limit(f"1000000000/{w}") for w in windows[:2]], 1),
         "cost 1, 4 limits": ([Limit(f"1000000000/{w}") for w in windows], 1),
+        # a runtime override of the key's rate, read by the same HMGET as a pause
+        "cost 1, rate overridden": ([Limit(f"1000000000/{windows[0]}")], 1),
+        # a calendar-aligned day (its boundaries sent with the call) alone, and beside
+        # a sliding limit in the same call
+        "cost 1, aligned day": ([Limit("1000000000/d", align="America/Los_Angeles")], 1),
+        "cost 1, + aligned day": (
+            [Limit(f"1000000000/{windows[0]}"), Limit("1000000000/d", align="America/Los_Angeles")],
+            1,
+        ),
     }
+    limiter.override("cost1rateoverridden", f"999999999/{windows[0]}")
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for name, (limits, cost) in cases.items():  # fill every window once
         key = name.replace(" ", "").replace(",", "")
@@ -196,6 +209,9 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     out["cost 1 / floor"] = round(out["cost 1"]["usec_per_call"] / floor_us, 3)
     out["cost 1000 / cost 1"] = round(
         out["cost 1000"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
+    )
+    out["cost 1, + aligned day / cost 1"] = round(
+        out["cost 1, + aligned day"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
     )
     client.close()
     return out
@@ -329,7 +345,8 @@ def main(argv: list[str]) -> int:
     for name, row in results["b_server_side"].items():
         if isinstance(row, dict):
             print(f"    {name:24} {row['usec_per_call']:8.2f}")
-    print(f"    {'cost 1000 / cost 1':24} {results['b_server_side']['cost 1000 / cost 1']:8.3f}")
+    for ratio in ("cost 1000 / cost 1", "cost 1, + aligned day / cost 1"):
+        print(f"    {ratio:24} {results['b_server_side'][ratio]:8.3f}")
     print("\n(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)")
     for name, row in results["c_memory"].items():
         per = row.get("bytes_per_entry", "")

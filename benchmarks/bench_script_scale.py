@@ -22,8 +22,8 @@ import redis
 
 from benchmarks.bench_celery import RESULTS
 from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._base import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._scripts import MAX_HORIZON, Shape
 
 LIMITS = (10, 100, 1_000, 10_000, 100_000)

@@ -2,13 +2,15 @@
 
 Public API::
 
-    from celery_ratelimit import Limit, Concurrency, Limiter, Decision
+    from celery_ratelimit import Limit, Concurrency, Limiter, AsyncLimiter, Decision
     from celery_ratelimit import RateLimitedTask, ratelimit, install
     from celery_ratelimit import UpstreamRateLimited, RateLimitError, RateLimitExceeded
+    from celery_ratelimit import settle
 """
 
 from __future__ import annotations
 
+from ._async import AsyncLimiter
 from ._decision import Decision
 from ._decorator import ratelimit
 from ._exceptions import (
@@ -23,10 +25,12 @@ from ._install import install
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
 from ._rate import Rate
+from ._settle import settle
 from ._task import RateLimitedTask
 from ._upstream import UpstreamRateLimited
 
 __all__ = [
+    "AsyncLimiter",
     "Concurrency",
     "Decision",
     "InvalidLimit",
@@ -42,5 +46,6 @@ __all__ = [
     "UpstreamRateLimited",
     "install",
     "ratelimit",
+    "settle",
 ]
 __version__ = "0.1.0"

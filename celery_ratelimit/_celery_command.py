@@ -1,4 +1,5 @@
-"""``celery -A proj ratelimit status|reset|explain``: the same commands inside Celery's CLI.
+"""``celery -A proj ratelimit status|reset|set|unset|explain``: the command line inside
+Celery's.
 
 Registered through the ``celery.commands`` entry point; Celery loads the app given by
 ``-A`` and passes it in the click context.
@@ -6,6 +7,7 @@ Registered through the ``celery.commands`` entry point; Celery loads the app giv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -21,39 +23,74 @@ def _app(ctx: click.Context) -> Any:
     return ctx.obj.app
 
 
+def _run(lines: Callable[[], list[str]]) -> None:
+    """Print the lines a command returns; a limiter error as Celery's CLI prints errors."""
+    try:
+        _echo(lines())
+    except RateLimitError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _where(command: Callable[..., None]) -> Callable[..., None]:
+    """The options that say which Redis and prefix, when not the app's."""
+    command = click.option("--prefix", help="key prefix (default: the app's ratelimit_key_prefix)")(
+        command
+    )
+    return click.option("--url", help="Redis URL (default: the app's ratelimit_redis_url)")(command)
+
+
 @click.group(name="ratelimit")
 def ratelimit() -> None:
-    """Shared rate limits kept in Redis: status, reset KEY, explain TASK."""
+    """Shared rate limits kept in Redis: status, reset KEY, set KEY RATE, unset KEY,
+    explain TASK."""
 
 
 @ratelimit.command()
-@click.option("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
-@click.option("--prefix", help="key prefix (default: the app's ratelimit_key_prefix)")
+@_where
 @click.option("--match", metavar="GLOB", help="only keys matching GLOB ('yt:*')")
 @click.pass_context
 def status(ctx: click.Context, url: str | None, prefix: str | None, match: str | None) -> None:
     """Each active key: used/limit, remaining, next free slot, reservations."""
     from ._cli import run_status
 
-    try:
-        _echo(run_status(_app(ctx), url, prefix, match))
-    except RateLimitError as exc:
-        raise click.ClickException(str(exc)) from exc
+    _run(lambda: run_status(_app(ctx), url, prefix, match))
 
 
 @ratelimit.command()
 @click.argument("key")
-@click.option("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
-@click.option("--prefix", help="key prefix (default: the app's ratelimit_key_prefix)")
+@_where
 @click.pass_context
 def reset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> None:
     """Forget everything counted for KEY (all its windows), e.g. yt:quota:key1."""
     from ._cli import run_reset
 
-    try:
-        _echo(run_reset(_app(ctx), url, prefix, key))
-    except RateLimitError as exc:
-        raise click.ClickException(str(exc)) from exc
+    _run(lambda: run_reset(_app(ctx), url, prefix, key))
+
+
+@ratelimit.command(name="set")
+@click.argument("key")
+@click.argument("rate")
+@click.option("--ttl", type=float, metavar="SECONDS", help="the override lapses then")
+@_where
+@click.pass_context
+def set_rate(
+    ctx: click.Context, key: str, rate: str, ttl: float | None, url: str | None, prefix: str | None
+) -> None:
+    """Use RATE (50/s) for KEY on every worker from now on: a runtime override."""
+    from ._cli import run_set
+
+    _run(lambda: run_set(_app(ctx), url, prefix, key, rate, ttl))
+
+
+@ratelimit.command()
+@click.argument("key")
+@_where
+@click.pass_context
+def unset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> None:
+    """Remove KEY's runtime override: its calls' own rates apply again."""
+    from ._cli import run_set
+
+    _run(lambda: run_set(_app(ctx), url, prefix, key, None, None))
 
 
 @ratelimit.command()

@@ -21,11 +21,12 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
+from ._base import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
 from ._limit import Concurrency, Limit
-from ._limiter import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP, Limiter
+from ._limiter import Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
@@ -87,7 +88,7 @@ class Check:
     ) -> None:
         self.task, self.plan, self.args, self.kwargs = task, plan, args, kwargs
         self.request = task.request
-        self.keys, self.costs = plan.resolve(args, kwargs)
+        self.keys, self.costs, self.limits = plan.resolve(args, kwargs)
         here = _process_settings(task)
         self.limiter = here.limiter
         self.metrics = here.metrics  # None unless ratelimit_metrics is on
@@ -103,10 +104,10 @@ class Check:
         )
         self.first_mode = RESERVE if reserve else ACQUIRE
         self.mode = self.first_mode
-        self.slots = tuple(limit for limit in plan.limits if isinstance(limit, Concurrency))
+        self.slots = tuple(limit for limit in self.limits if isinstance(limit, Concurrency))
         self.lease = _lease(task, self.request, here.concurrency_lease) if self.slots else None
         self.shape = shape(
-            plan.limits,
+            self.limits,
             self.costs,
             self.mode,
             self.max_countdown,
@@ -114,7 +115,7 @@ class Check:
             MAX_IN_PROCESS_WAIT,
             self.lease,
         )
-        self.tolerance = start_tolerance(plan.limits, self.guard)
+        self.tolerance = start_tolerance(self.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
         self.restamps = 0
 
@@ -391,10 +392,10 @@ def start_tolerance(limits: tuple[Limit | Concurrency, ...], guard: float) -> fl
     slack ``guard`` adds to the tightest window (``lua/sliding_log.lua``: starts are
     checked in windows that much wider than the limit's). With no guard, or with the
     counter (which keeps no entry to move), starts are not checked: ``inf``."""
-    rates = [limit for limit in limits if isinstance(limit, Limit)]
+    rates = [limit for limit in limits if isinstance(limit, Limit) and limit.align is None]
     if guard <= 0 or not rates or rates[0].algorithm != "log":
         return float("inf")
-    return min(min(guard, limit.rate.window_us / 25_000_000) for limit in rates) / 2
+    return min(min(guard, limit.fixed_rate.window_us / 25_000_000) for limit in rates) / 2
 
 
 def _lease(task: Any, request: Any, default: float) -> float:

@@ -1,9 +1,9 @@
-"""Command line: ``celery-ratelimit demo|status|reset|explain``.
+"""Command line: ``celery-ratelimit demo|status|reset|set|unset|explain``.
 
 Also ``python -m celery_ratelimit ...``, and as a Celery subcommand
-(``celery -A proj ratelimit status``, see ``_celery_command.py``). ``status`` and
-``reset`` take the app (``-A proj``, for its Redis URL, key prefix and declared
-limits) or ``--url``/``--prefix``; ``explain`` needs the app.
+(``celery -A proj ratelimit status``, see ``_celery_command.py``). ``status``,
+``reset``, ``set`` and ``unset`` take the app (``-A proj``, for its Redis URL, key
+prefix and declared limits) or ``--url``/``--prefix``; ``explain`` needs the app.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._base import DEFAULT_PREFIX
 from ._exceptions import RateLimitError
-from ._limiter import DEFAULT_PREFIX, Limiter
+from ._limiter import Limiter
+from ._rate import Rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     reset = commands.add_parser("reset", help="forget everything counted for a key")
     where(reset)
     reset.add_argument("key", help="the key as given to Limit(key=...), e.g. yt:quota:key1")
+    set_ = commands.add_parser(
+        "set", help="use RATE for KEY on every worker from now on (a runtime override)"
+    )
+    where(set_)
+    set_.add_argument("key", help="the key as given to Limit(key=...), e.g. yt:quota:key1")
+    set_.add_argument("rate", help="the rate to use, e.g. 50/s")
+    set_.add_argument("--ttl", type=float, metavar="SECONDS", help="the override lapses then")
+    unset = commands.add_parser("unset", help="remove KEY's runtime override")
+    where(unset)
+    unset.add_argument("key", help="the key given to set")
     explain = commands.add_parser(
         "explain", help="which limits apply to a call, their Redis keys, a decision (peek)"
     )
@@ -100,7 +112,7 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
         guard = _ops.guard_for_app(app) if app is not None else 0.0
         rows = _ops.status(limiter, known, guard=guard, match=match)
         lines = _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
-        return lines + _ops.format_pauses(_ops.pauses(limiter, match))
+        return lines + _ops.format_settings(_ops.key_settings(limiter, match))
     finally:
         limiter.client.close()
 
@@ -115,6 +127,21 @@ def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[s
     if not deleted:
         return [f"nothing to reset: no key {key!r} under prefix {limiter.prefix!r}"]
     return [f"deleted {name}" for name in deleted]
+
+
+def run_set(
+    app: Any, url: str | None, prefix: str | None, key: str, rate: str | None, ttl: float | None
+) -> list[str]:
+    """``set KEY RATE [--ttl]`` (``rate`` None: ``unset KEY``)."""
+    limiter = limiter_from(app, url, prefix)
+    try:
+        limiter.override(key, rate, ttl=ttl)
+    finally:
+        limiter.client.close()
+    if rate is None:
+        return [f"{key}: no override; its calls' own rates apply"]
+    lasts = "until unset" if ttl is None else f"for {ttl:g}s"
+    return [f"{key}: {Rate.parse(rate)} on every worker from its next decision, {lasts}"]
 
 
 def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:
@@ -173,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             lines = run_status(app, args.url, args.prefix, args.match)
         elif args.command == "reset":
             lines = run_reset(app, args.url, args.prefix, args.key)
+        elif args.command in ("set", "unset"):
+            rate = args.rate if args.command == "set" else None
+            ttl = args.ttl if args.command == "set" else None
+            lines = run_set(app, args.url, args.prefix, args.key, rate, ttl)
         elif args.command == "explain":
             lines = run_explain(app, args.task, args.args, args.kwargs)
         else:

@@ -9,7 +9,7 @@ from celery import Task, current_app, signals
 from celery.local import PromiseProxy, Proxy
 
 from . import _compat
-from ._limit import CostFunc, KeyFunc, Limit, LimitSpec, to_limits
+from ._limit import Concurrency, CostFunc, KeyFunc, Limit, LimitSpec, RateFunc, to_limits
 from ._settings import setting
 from ._task import wrap_before_start
 
@@ -19,20 +19,22 @@ _OPTIONS = ("max_countdown", "max_deferrals", "reserve", "on_redis_error")
 
 
 def ratelimit(
-    rate: LimitSpec,
+    rate: LimitSpec | RateFunc,
     *,
     key: str | KeyFunc | None = None,
     cost: int | CostFunc = 1,
     algorithm: str = "log",
+    align: str | None = None,
     **options: Any,
 ) -> Callable[[T], T]:
     """Decorate a Celery task (placed above ``@app.task`` or ``@shared_task``).
 
     Args:
-        rate: a rate string (then ``key``, ``cost`` and ``algorithm`` build the
-            :class:`Limit`), a :class:`Limit`, a :class:`Concurrency`, or a list of
-            them (checked all or nothing).
-        key, cost, algorithm: as for :class:`Limit`, when ``rate`` is a string.
+        rate: a rate string or a rate function (then ``key``, ``cost``,
+            ``algorithm`` and ``align`` build the :class:`Limit`), a :class:`Limit`, a
+            :class:`Concurrency`, or a list of them (checked all or nothing).
+        key, cost, algorithm, align: as for :class:`Limit`, when ``rate`` is a string
+            or function.
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).
 
@@ -47,11 +49,15 @@ def ratelimit(
         @app.task
         def search(q): ...
     """
-    if isinstance(rate, str):
-        limits = to_limits(Limit(rate, key=key, cost=cost, algorithm=algorithm))  # type: ignore[arg-type]
+    if isinstance(rate, str) or (callable(rate) and not isinstance(rate, (Limit, Concurrency))):
+        limits = to_limits(
+            Limit(rate, key=key, cost=cost, algorithm=algorithm, align=align)  # type: ignore[arg-type]
+        )
     else:
-        if key is not None or cost != 1 or algorithm != "log":
-            raise TypeError("key, cost and algorithm apply to a rate string; put them in the Limit")
+        if key is not None or cost != 1 or algorithm != "log" or align is not None:
+            raise TypeError(
+                "key, cost, algorithm and align apply to a rate string; put them in the Limit"
+            )
         limits = to_limits(rate)
     attributes: dict[str, Any] = {"ratelimit": limits}
     for name, value in options.items():

@@ -7,19 +7,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._base import PEEK
 from ._decision import Decision
 from ._exceptions import InvalidLimit
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
-from ._limiter import PEEK, REDIS_ERRORS
+from ._limiter import REDIS_ERRORS
 from ._ops import (
+    KeySettings,
     KeyStatus,
     app_tasks,
+    format_settings,
     guard_for_app,
     in_seconds,
+    key_settings,
     key_status,
     limiter_for_app,
-    pauses,
     server_now_us,
     task_limits,
 )
@@ -45,7 +48,7 @@ class Explanation:
     limits: list[LimitExplanation] = field(default_factory=list)
     decision: Decision | None = None
     error: str | None = None
-    paused: list[tuple[str, float]] = field(default_factory=list)
+    settings: list[KeySettings] = field(default_factory=list)
 
 
 def parse_value(text: str) -> Any:
@@ -89,28 +92,26 @@ def explain(
         else "the task's ratelimit option"
     )
     try:
-        keys, costs = plan.resolve(tuple(args), kwargs)
+        keys, costs, limits = plan.resolve(tuple(args), kwargs)
     except (InvalidLimit, TypeError) as exc:
         result.error = f"a worker would fail this call: {exc}"
         return result
     limiter = limiter_for_app(app)
-    redis_keys = limiter.keys_for(keys, plan.limits)
+    redis_keys = limiter.keys_for(keys, limits)
     try:
         now = server_now_us(limiter.client)
-        for limit, key, redis_key, cost in zip(plan.limits, keys, redis_keys, costs, strict=True):
-            window = 0 if isinstance(limit, Concurrency) else limit.rate.window_us
+        for limit, key, redis_key, cost in zip(limits, keys, redis_keys, costs, strict=True):
+            window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
             name = parse_key(limiter.prefix, redis_key) or KeyName(
-                redis_key, key, limit.algorithm, window
+                redis_key, key, limit.kind, window
             )
             state = key_status(limiter.client, name, now)
             state.limit = limit
             one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
             state.remaining, state.next_free = one.remaining, one.retry_after
             result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
-        result.decision = limiter.decide(
-            redis_keys, plan.limits, costs, PEEK, guard=guard_for_app(app)
-        )
-        result.paused = pauses(limiter)
+        result.decision = limiter.decide(redis_keys, limits, costs, PEEK, guard=guard_for_app(app))
+        result.settings = key_settings(limiter)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "explain") from exc
     finally:
@@ -142,11 +143,11 @@ def format_explanation(
             ]
             continue
         lines += [
-            f"  {i}. {item.limit.label}  ({item.limit.rate}, {item.limit.algorithm}, "
+            f"  {i}. {item.limit.label}  ({item.limit.fixed_rate}, {item.limit.kind}, "
             f"cost {item.cost})",
             f"     key        {item.key}",
             f"     redis key  {item.redis_key}",
-            f"     now        used {s.used}/{item.limit.rate.limit}"
+            f"     now        used {s.used}/{item.limit.fixed_rate.limit}"
             f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
             f" this cost fits {in_seconds(s.next_free or 0.0)}",
         ]
@@ -154,7 +155,7 @@ def format_explanation(
     if d is None:
         return lines
     keys = {item.key for item in e.limits}
-    lines += [f"paused    {k}: {in_seconds(left)}" for k, left in e.paused if k in keys]
+    lines += format_settings([row for row in e.settings if row.key in keys])
     if d.allowed:
         lines.append(f"decision  allowed now ({d.remaining} free before this call)")
     else:

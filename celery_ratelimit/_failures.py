@@ -54,6 +54,7 @@ ACL_COMMANDS = (
         "ping",
         "del",
         "pexpire",
+        "persist",
         "hmget",
         "hset",
         "hget",
@@ -180,3 +181,15 @@ def redis_versions(info: Any) -> list[str]:
         for v in info.values()
         if isinstance(v, dict) and "redis_version" in v
     ]
+
+
+def check_versions(info: Any) -> None:
+    """Raise the error for a server too old, from its ``INFO server`` (each node's).
+
+    Raises:
+        LimiterMisconfigured: a server older than the scripts need, naming its version.
+    """
+    for version in redis_versions(info):
+        too_old = version_error(version)
+        if too_old is not None:
+            raise too_old

@@ -12,7 +12,8 @@ Keys
     (reservations whose task has not started) is that name + :data:`PENDING`. A
     concurrency limit on ``tag:rest`` is ``{prefix}:{tag}:rest:conc:0`` (its holders),
     with its starts and waiters at that name + :data:`STARTS` and + :data:`PENDING`.
-    The settings of ``tag:rest`` (a pause) are the hash ``{prefix}:{tag}:rest:settings``.
+    The settings of ``tag:rest`` (a pause, a rate override) are the hash
+    ``{prefix}:{tag}:rest:settings``.
     The park of a broker: ``{prefix}:{park:<digest>}:`` + ``due`` / ``copies`` /
     ``counts``.
 
@@ -22,6 +23,12 @@ The log (``algorithm="log"``), a sorted set
     Meta members score below :data:`ENTRY_FLOOR`: ``""`` the running total weight,
     ``"+"`` minus the newest entry's instant, ``"="`` the weight every entry has (0 once
     mixed), ``"~"`` minus the instant the key's ``PEXPIRE`` runs out.
+
+A calendar-aligned limit (``align=``, ``lua/calendar.lua``), a sorted set
+    ``{prefix}:{tag}:rest:cal:{window_us}``: entries as the log's (score = the instant
+    the call counts at); meta member ``"#" + start`` per window holding any, score =
+    the weight counted in the window starting at ``start`` (µs); ``"~"`` minus the
+    instant the key's expiry was set to.
 
 The counter (``algorithm="counter"``), a hash
     ``w`` the current fixed window's number (instant // window), ``c`` its count, ``p``
@@ -36,6 +43,7 @@ A concurrency limit (``lua/gate.lua``), three sorted sets
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +64,14 @@ PENDING = ":r"
 STARTS = ":s"
 #: The meta member of a concurrency limit's holders: the average time a body held a slot.
 AVERAGE = ""
+#: Prefix of a calendar key's meta member for a window: ``"#" + its start`` (µs).
+WINDOW_META = "#"
 #: Field of a key's settings hash: until when (µs) the key is paused.
 PAUSE_FIELD = "pause"
-ALGORITHMS = ("log", "counter", "conc")
+#: Field of a key's settings hash: its rate override, "limit window_us until_us" (until
+#: 0: until removed).
+RATE_FIELD = "rate"
+ALGORITHMS = ("log", "counter", "conc", "cal")
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
@@ -73,25 +86,30 @@ def redis_key(prefix: str, key: str, limit: Limit | Concurrency) -> str:
     """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
     if isinstance(limit, Concurrency):
         return f"{_base(prefix, key)}:conc:0"
-    return f"{_base(prefix, key)}:{limit.algorithm}:{limit.rate.window_us}"
+    return f"{_base(prefix, key)}:{limit.kind}:{limit.fixed_rate.window_us}"
 
 
 def script_keys(keys: list[str], limits: tuple[Any, ...]) -> list[str]:
-    """A script call's KEYS for the limits' Redis ``keys`` (rate limits first): the
-    rate limits' keys, then (log) each one's pending set, then each concurrency limit's
-    key and companions, then each limit's settings hash."""
+    """A script call's KEYS for the limits' Redis ``keys`` (in ``to_limits`` order):
+    the sliding rate limits' keys, then (log) each one's pending set, then the aligned
+    limits' keys, then each concurrency limit's key and companions, then each limit's
+    settings hash."""
     settings = [k.rsplit(":", 2)[0] + ":settings" for k in keys]
-    rates = [k for k, limit in zip(keys, limits, strict=True) if isinstance(limit, Limit)]
-    every = list(rates)
-    if rates and limits[0].algorithm == "log":
-        every += [k + PENDING for k in rates]
-    for k in keys[len(rates) :]:
-        every += [k, *companions(k)]
-    return every + settings
+    sliding, aligned, every = [], [], []
+    for k, limit in zip(keys, limits, strict=True):
+        if isinstance(limit, Concurrency):
+            every += [k, *companions(k)]
+        elif limit.align is None:
+            sliding.append(k)
+        else:
+            aligned.append(k)
+    if sliding and limits[0].algorithm == "log":
+        sliding += [k + PENDING for k in sliding]
+    return sliding + aligned + every + settings
 
 
 def settings_key(prefix: str, key: str) -> str:
-    """The settings hash (a pause) of the (already escaped) ``key``."""
+    """The settings hash (a pause, a rate override) of the (already escaped) ``key``."""
     return f"{_base(prefix, key)}:settings"
 
 
@@ -146,9 +164,14 @@ def _glob(text: str) -> str:
 
 def keys_of(client: Any, prefix: str, key: str) -> list[str]:
     """Every Redis key of the logical ``key`` (all windows and algorithms), sorted."""
+    return keys_among(client.scan_iter(key_glob(prefix, key)), prefix, key)
+
+
+def keys_among(names: Iterable[bytes | str], prefix: str, key: str) -> list[str]:
+    """The ``names`` (found by a scan of :func:`key_glob`) that are limits of ``key``."""
     wanted = escape_key(key)
     found = []
-    for raw in client.scan_iter(key_glob(prefix, key)):
+    for raw in names:
         name = parse_key(prefix, raw.decode() if isinstance(raw, bytes) else raw)
         if name is not None and name.key == wanted:
             found.append(name.redis_key)
@@ -166,6 +189,16 @@ def log_entries(client: Any, key: str, after: int | None = None) -> list[tuple[i
     low = ENTRY_FLOOR if after is None else f"({max(after, ENTRY_FLOOR)}"
     rows = client.zrangebyscore(key, low, "+inf", withscores=True)
     return [(int(score), weight_of(member)) for member, score in rows]
+
+
+def parse_override(value: bytes | str | None, now: int) -> tuple[int, int, int] | None:
+    """``(limit, window_us, until_us)`` of a :data:`RATE_FIELD` value still in force at
+    ``now`` (µs; until 0: no end), else None."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    limit, window_us, until = (int(part) for part in text.split())
+    return (limit, window_us, until) if until == 0 or until > now else None
 
 
 def log_total(client: Any, key: str) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ._calendar import check_window, zone_of
 from ._exceptions import InvalidLimit
 from ._rate import Rate
 
@@ -15,6 +16,7 @@ Algorithm = Literal["log", "counter"]
 RedisErrorPolicy = Literal["defer", "allow", "raise"]
 KeyFunc = Callable[..., object]
 CostFunc = Callable[..., int]
+RateFunc = Callable[..., "str | Rate"]
 
 ALGORITHMS: tuple[str, ...] = ("log", "counter")
 REDIS_ERROR_POLICIES: tuple[str, ...] = ("defer", "allow", "raise")
@@ -79,7 +81,9 @@ class Limit:
     """A shared rate limit: ``rate`` applied to ``key``, each call costing ``cost``.
 
     Args:
-        rate: ``"10/s"``, ``"100/m"``, ``"9500/d"``, ``"50/10s"`` or a :class:`Rate`.
+        rate: ``"10/s"``, ``"100/m"``, ``"9500/d"``, ``"50/10s"`` or a :class:`Rate`;
+            or, in a task, a callable taking the task's ``(*args, **kwargs)`` and
+            returning one (a budget per tier: each rate has its own Redis key).
         key: what shares the budget. A string, which in a task may be a template
             formatted from the call's arguments (``"api:{tenant}"``), or a callable
             taking the task's ``(*args, **kwargs)``. Default: the task name. The part
@@ -90,10 +94,16 @@ class Limit:
             (sliding-window counter: O(1) memory, approximate).
         on_redis_error: ``"defer"``, ``"allow"`` or ``"raise"``; ``None`` uses the setting.
         name: a label for logs and metrics; defaults to ``key@rate``.
+        align: an IANA time zone (``"UTC"``, ``"America/Los_Angeles"``): count in fixed
+            windows of the zone's calendar instead of a sliding window, each day from
+            midnight to midnight (23 or 25 hours on a DST day), each hour or minute
+            from its start; a full window's ``retry_after`` runs to the next one. The
+            rate must be per day, hour or minute (``"10000/d"``).
 
     Raises:
         InvalidRate: ``rate`` cannot be parsed.
-        InvalidLimit: a bad template, algorithm, policy, or a cost above the limit.
+        InvalidLimit: a bad template, algorithm, policy, zone, a cost above the limit,
+            or an aligned rate that is not per day, hour or minute.
         TypeError: a cost that is not an int (or is a bool), a key of the wrong type.
 
     Example::
@@ -101,26 +111,29 @@ class Limit:
         Limit("100/m", key="yt:quota:{api_key}", cost=1)
     """
 
-    rate: Rate
+    rate: Rate | RateFunc
     key: str | KeyFunc | None
     cost: int | CostFunc
     algorithm: Algorithm
     on_redis_error: RedisErrorPolicy | None
     name: str | None
+    align: str | None
     fields: tuple[str, ...] = field(repr=False, compare=False)
 
     def __init__(
         self,
-        rate: str | Rate,
+        rate: str | Rate | RateFunc,
         *,
         key: str | KeyFunc | None = None,
         cost: int | CostFunc = 1,
         algorithm: Algorithm = "log",
         on_redis_error: RedisErrorPolicy | None = None,
         name: str | None = None,
+        align: str | None = None,
     ) -> None:
         set_ = object.__setattr__
-        set_(self, "rate", Rate.parse(rate))
+        set_(self, "rate", rate if callable(rate) else Rate.parse(rate))
+        set_(self, "align", align)
         set_(self, "key", key)
         set_(self, "cost", cost)
         set_(self, "algorithm", algorithm)
@@ -144,7 +157,20 @@ class Limit:
 
     def _identity(self) -> tuple[object, ...]:
         """The fields that make two limits equal (what ``__eq__`` compares)."""
-        return (self.rate, self.key, self.cost, self.algorithm, self.on_redis_error, self.name)
+        return (
+            self.rate,
+            self.key,
+            self.cost,
+            self.algorithm,
+            self.on_redis_error,
+            self.name,
+            self.align,
+        )
+
+    @property
+    def kind(self) -> str:
+        """How the limit counts: ``"log"``, ``"counter"``, or ``"cal"`` (aligned)."""
+        return "cal" if self.align is not None else self.algorithm
 
     def _validate(self) -> None:
         if self.key is not None and not isinstance(self.key, str) and not callable(self.key):
@@ -155,7 +181,7 @@ class Limit:
             object.__setattr__(self, "fields", template_fields(self.key))
         if not callable(self.cost):
             check_cost(self.cost, "Limit cost")
-            if self.cost > self.rate.limit:
+            if isinstance(self.rate, Rate) and self.cost > self.rate.limit:
                 raise InvalidLimit(
                     f"Limit cost {self.cost} is greater than the limit of {self.rate}: "
                     "such a call could never run"
@@ -171,6 +197,10 @@ class Limit:
             )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise InvalidLimit(f"Limit name must be a non-empty string, got {self.name!r}")
+        if self.align is not None:
+            zone_of(self.align)
+            if isinstance(self.rate, Rate):
+                check_window(self.rate.window_us, self.rate)
         with contextlib.suppress(TypeError):  # an unhashable callable key or cost:
             self.__dict__["_hash"] = hash(self._identity())  # hashing it raises, as ever
 
@@ -180,7 +210,40 @@ class Limit:
         if self.name:
             return self.name
         key = self.key if isinstance(self.key, str) else getattr(self.key, "__name__", "task")
-        return f"{key or 'task'}@{self.rate}"
+        rate = self.rate if isinstance(self.rate, Rate) else getattr(self.rate, "__name__", "rate")
+        zone = f" ({self.align})" if self.align else ""
+        return f"{key or 'task'}@{rate}{zone}"
+
+    @property
+    def fixed_rate(self) -> Rate:
+        """The rate, when it does not depend on a call's arguments.
+
+        Raises:
+            InvalidLimit: the rate is a callable (a task call resolves it: ``with_rate``).
+        """
+        if isinstance(self.rate, Rate):
+            return self.rate
+        raise InvalidLimit(
+            f"the rate of {self.label} is a function of a task call's arguments: "
+            "it can only be used by a task"
+        )
+
+    def with_rate(self, rate: str | Rate) -> Limit:
+        """This limit with ``rate`` in place of its rate function (for one call).
+
+        Raises:
+            InvalidRate: ``rate`` cannot be parsed.
+            InvalidLimit: the limit's own cost is above it.
+        """
+        return Limit(
+            rate,
+            key=self.key,
+            cost=self.cost,
+            algorithm=self.algorithm,
+            on_redis_error=self.on_redis_error,
+            name=self.name,
+            align=self.align,
+        )
 
 
 #: A concurrency slot's lease when neither the limit nor the task gives one (seconds).
@@ -220,7 +283,7 @@ class Concurrency:
     fields: tuple[str, ...] = field(repr=False, compare=False)
     #: what the rest of the library reads off any limit
     cost = 1
-    algorithm = "conc"
+    algorithm = kind = "conc"
     on_redis_error = None
 
     def __init__(
@@ -272,8 +335,8 @@ _PARSED: dict[str, tuple[Limit, ...]] = {}
 
 def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
     """Normalize a rate string, a :class:`Rate`, a :class:`Limit`, a
-    :class:`Concurrency` or a list of them: rate limits first, then concurrency limits
-    (each in the order given).
+    :class:`Concurrency` or a list of them: sliding rate limits first, then aligned
+    ones, then concurrency limits (each in the order given).
 
     Raises:
         InvalidLimit: an empty list, or rate limits of different algorithms in one list.
@@ -311,20 +374,24 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
         limits.append(item)
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
-    algorithms = {limit.algorithm for limit in limits}
+    aligned = [limit for limit in limits if limit.align is not None]
+    sliding = [limit for limit in limits if limit.align is None]
+    algorithms = {limit.algorithm for limit in sliding}
     if len(algorithms) > 1:
         raise InvalidLimit(
             f"{what} mixes algorithms {sorted(algorithms)}: limits checked together "
             "must all be 'log' or all be 'counter'"
         )
-    return (*limits, *slots)
+    return (*sliding, *aligned, *slots)
 
 
 def rate_algorithm(limits: tuple[Any, ...]) -> str:
-    """The script a call of ``limits`` runs: its rate limits' algorithm, or
-    ``"concurrency"`` when it has none."""
+    """The script a call of ``limits`` runs: its sliding rate limits' algorithm, or
+    ``"concurrency"`` when it has none (only aligned and concurrency limits)."""
     first = limits[0]
-    return "concurrency" if isinstance(first, Concurrency) else str(first.algorithm)
+    if isinstance(first, Concurrency) or first.align is not None:
+        return "concurrency"
+    return str(first.algorithm)
 
 
 def describe(limits: Iterable[Any]) -> str:

@@ -2,42 +2,40 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 
+from ._base import (
+    ACQUIRE,
+    CONFIRM,
+    DEFAULT_PREFIX,
+    PEEK,
+    RELEASE,
+    RESERVE,
+    LimiterBase,
+    ScriptCall,
+)
 from ._client import HeldConnection, client_from_url
-from ._decision import TOKEN_BYTES, Decision, token_bytes_of
-from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
-from ._failures import not_redis_error, redis_versions, translate, version_error
-from ._keys import escape_key
-from ._keys import escape_key as _escape
-from ._layout import companions, keys_of, redis_key, script_keys, settings_key
-from ._limit import Concurrency, Limit, LimitSpec, describe, rate_algorithm, to_limits
-from ._scripts import DEFAULT_HORIZON, Shape, pause_numbers, shape, source
-from ._upstream import seconds_from
+from ._decision import Decision, token_bytes_of
+from ._exceptions import LimiterUnavailable, RateLimitError
+from ._failures import check_versions, not_redis_error, translate
+from ._layout import companions, keys_of
+from ._limit import Concurrency, Limit, LimitSpec, to_limits
+from ._rate import Rate
+from ._scripts import DEFAULT_HORIZON, Shape, shape
 
-#: Script modes (the first of the packed numbers, ARGV[2]); see the header of
-#: lua/sliding_log.lua (and lua/gate.lua for RENEW and PAUSE).
-ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP, RENEW, PAUSE = 0, 1, 2, 3, 4, 5, 6, 7
-#: Reply statuses.
-DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT = 0, 1, 2, 3, 4, 5, 6
-
-DEFAULT_PREFIX = "ratelimit"
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
 DEFAULT_CONNECT_TIMEOUT = 2.0
-#: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
-KEY_CACHE_SIZE = 4096
 
 Client = Any  # redis.Redis or redis.cluster.RedisCluster
 #: What a redis-py client raises (its Cluster client's own errors are no RedisError).
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
-class Limiter:
+class Limiter(LimiterBase):
     """Shared rate limits kept in Redis, decided atomically by one Lua script per call.
 
     Args:
@@ -54,25 +52,10 @@ class Limiter:
     """
 
     def __init__(self, client: Client, *, prefix: str = DEFAULT_PREFIX) -> None:
-        if not isinstance(prefix, str) or not prefix or escape_key(prefix) != prefix:
-            raise InvalidLimit(f"key prefix must be a plain non-empty string, got {prefix!r}")
-        self.client = client
-        self.prefix = prefix
-        self._scripts = {
-            "log": client.register_script(source("sliding_log")),
-            "counter": client.register_script(source("sliding_counter")),
-            "concurrency": client.register_script(source("concurrency")),
-            "park": client.register_script(source("park")),  # see _park
-        }
-        self._cluster = hasattr(client, "get_nodes")
-        self._checked = False
+        super().__init__(client, prefix=prefix)
         held = HeldConnection.for_client(client)
         # the script's EVALSHA: on a connection held for it when the client allows
         self._send = held.call if held is not None else client.execute_command
-        # the script's keys for (key, shape), worked out and checked once: escaping and
-        # formatting are most of a decision's Python, and a process decides for few
-        # distinct keys and shapes
-        self._sends: dict[tuple[Any, Shape], tuple[list[str], bytes]] = {}
 
     @classmethod
     def from_url(
@@ -168,6 +151,44 @@ class Limiter:
         token_bytes_of(token)
         self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
 
+    def settle(
+        self,
+        token: str,
+        key: str | tuple[str, ...],
+        limits: LimitSpec,
+        cost: int | Sequence[int],
+        *,
+        was: int | Sequence[int] = 1,
+    ) -> Decision:
+        """Replace the cost counted for the call ``token`` (a granted or reserved
+        :class:`Decision`'s) with its real one, known after the call: an LLM call's
+        tokens, a quota charged for a failed request.
+
+        A refund (less than it was) frees budget at once; a surcharge may put a window
+        over its limit, which the next calls wait out (the settled call itself is never
+        undone). The entry keeps its instant; where it has already left its window
+        there is nothing to change. The counter (``algorithm="counter"``) keeps no
+        entries: the difference is counted in its current window if the call was.
+
+        Args:
+            token, key, limits: as given to (and returned by) :meth:`acquire`.
+            cost: the real cost, an int of 0 or more (it may exceed a limit), or one
+                per limit.
+            was: the cost the call was acquired with (``acquire``'s ``cost``), or one
+                per limit.
+
+        Returns:
+            A Decision: ``allowed`` when the call's entry was found and changed, with
+            the ``remaining`` weight after it.
+
+        Raises:
+            InvalidLimit / TypeError: a bad token, cost or ``was``.
+        """
+        call = self._settle_call(token, key, limits, cost, was)
+        decision = self._decision(call, self._script_reply(call))
+        assert decision is not None  # a settle never answers SPENT
+        return decision
+
     def renew(
         self,
         token: str,
@@ -183,14 +204,8 @@ class Limiter:
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
-        token_bytes_of(token)
-        slots = tuple(limit for limit in to_limits(limits) if isinstance(limit, Concurrency))
-        if not slots:
-            return True
-        call = shape(slots, 1, RENEW, lease=lease)
-        every, numbers = self._prepared(key, call)
-        reply = self._script_reply("concurrency", every, token_bytes_of(token), numbers)
-        return bool(reply[0] == 1)
+        call = self._renew_call(token, key, limits, lease)
+        return call is None or bool(self._script_reply(call)[0] == 1)
 
     def pause(self, key: str, seconds: float | str | Any) -> float:
         """Grant nothing on ``key`` (every limit and concurrency limit of it) for
@@ -203,18 +218,27 @@ class Limiter:
             InvalidLimit: a bad key or ``seconds``.
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
         """
-        if not isinstance(key, str) or not key:
-            raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
-        return self.pause_keys([_escape(key)], seconds_from(seconds))
+        call = self._pause_call(key, seconds)
+        return 0.0 if call is None else float(self._script_reply(call)[2]) / 1_000_000
 
     def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
         """:meth:`pause` for keys already escaped (one script call for all of them)."""
-        keys = sorted({settings_key(self.prefix, k) for k in escaped})
-        if seconds <= 0:
-            return 0.0
-        numbers = pause_numbers(min(seconds, 366 * 86_400.0), len(keys))
-        reply = self._script_reply("concurrency", keys, os.urandom(TOKEN_BYTES), numbers)
-        return float(reply[2]) / 1_000_000
+        call = self._pause_keys_call(escaped, seconds)
+        return 0.0 if call is None else float(self._script_reply(call)[2]) / 1_000_000
+
+    def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
+        """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
+        the rate its calls give: for the key's rate limit of the same window, or for its
+        only one whatever its window. ``ttl``: seconds until the override lapses (None:
+        until removed). ``override(key, None)`` removes it. Read by the same script call
+        that decides; what was counted stays counted. A call whose cost is above the
+        new limit counts as the whole limit (it runs alone in its window).
+
+        Raises:
+            InvalidRate, InvalidLimit: a bad rate, key or ``ttl``, naming it.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
+        self._script_reply(self._override_call(key, rate, ttl))
 
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window
@@ -256,10 +280,7 @@ class Limiter:
                 # a least-privilege user, or a service that renamed INFO: the scripts'
                 # own errors will tell a server too old
                 info = {}
-            for version in redis_versions(info):
-                too_old = version_error(version)
-                if too_old is not None:
-                    raise too_old
+            check_versions(info)
             for script in self._scripts.values():
                 self.client.script_load(script.script)
         except REDIS_ERRORS as exc:
@@ -288,41 +309,6 @@ class Limiter:
 
     # -- shared by the Celery layer -------------------------------------------------
 
-    def keys_for(self, key: str | Sequence[str], limits: LimitSpec) -> list[str]:
-        """Redis keys for ``limits``. ``key`` is one code-given key for all limits (a
-        limit's own plain ``key`` wins) or a list of already escaped keys, one per limit.
-        """
-        normalized = to_limits(limits)
-        if not isinstance(key, str):
-            if not isinstance(key, (list, tuple)):
-                raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
-            escaped = list(key)
-            if len(escaped) != len(normalized):
-                raise InvalidLimit(f"got {len(escaped)} keys for {len(normalized)} limits")
-        else:
-            escaped = []
-            for limit in normalized:
-                own = limit.key if isinstance(limit.key, str) else None
-                if own is not None and limit.fields:
-                    raise InvalidLimit(
-                        f"Limit key {own!r} is a template; outside a task pass the "
-                        "rendered key to acquire() instead"
-                    )
-                chosen = own or key
-                if not isinstance(chosen, str) or not chosen:
-                    raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
-                escaped.append(escape_key(chosen))
-        keys = [
-            redis_key(self.prefix, k, limit) for k, limit in zip(escaped, normalized, strict=True)
-        ]
-        if len(set(keys)) != len(keys):
-            # one sorted set cannot hold two budgets: the second would overwrite the first
-            raise InvalidLimit(
-                f"limits {describe(normalized)} put two budgets on the same Redis key "
-                f"({', '.join(keys)}): give them different keys or windows"
-            )
-        return keys
-
     def _call(
         self,
         key: str | tuple[str, ...],
@@ -331,17 +317,9 @@ class Limiter:
         token: str | None = None,
         redis_keys: list[str] | None = None,
     ) -> Decision:
-        """One decision of ``shape`` for ``key``: a code-given key, or a tuple of escaped
-        keys, one per limit (as :meth:`keys_for` takes them); or, when ``redis_keys``
-        are given (from :meth:`keys_for`, or found by a scan), for them (``key`` is
-        then ``()``). What a shape's cost, guard and hold mean: see ``_scripts.Shape``.
-        """
-        if redis_keys is None:
-            every, numbers = self._prepared(key, shape)
-        else:
-            every, numbers = self._every(redis_keys, shape.limits), shape.numbers
-        token_bytes = token_bytes_of(token) if token else os.urandom(TOKEN_BYTES)
-        decision = self._run(every, numbers, shape.limits, token_bytes)
+        """One decision of ``shape`` for ``key`` (see :meth:`_script_call`)."""
+        call = self._script_call(key, shape, token, redis_keys)
+        decision = self._decision(call, self._script_reply(call))
         if decision is None:
             # the reservation was already started on (a message delivered twice):
             # this execution competes like a new call, with a token of its own
@@ -366,93 +344,21 @@ class Limiter:
             (), shape(limits, cost, mode, horizon, guard, hold), token=token, redis_keys=keys
         )
 
-    def _prepared(self, key: str | tuple[str, ...], shape: Shape) -> tuple[list[str], bytes]:
-        """The script's keys and packed numbers for ``key`` under ``shape``, worked out
-        and checked on their first call and remembered for the last few thousand."""
-        remembered = (key, shape) if shape.cacheable else None
-        if remembered is not None:
-            try:
-                return self._sends[remembered]
-            except KeyError:
-                pass
-            except TypeError:  # an unhashable key
-                remembered = None
-        sends = self._every(self.keys_for(key, shape.limits), shape.limits), shape.numbers
-        if remembered is not None:
-            if len(self._sends) >= KEY_CACHE_SIZE:
-                self._sends.clear()
-            self._sends[remembered] = sends
-        return sends
-
-    def _every(self, keys: list[str], limits: tuple[Any, ...]) -> list[str]:
-        """The script's KEYS for the limits' ``keys`` (see ``_layout.script_keys``).
-
-        Raises:
-            InvalidLimit: on Redis Cluster, keys that do not share one hash tag.
-        """
-        if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
-            raise InvalidLimit(
-                f"limits checked together must share their hash tag (the key's first "
-                f"segment) on Redis Cluster, got keys {keys}"
-            )
-        return script_keys(keys, limits)
-
-    def _run(
-        self,
-        every: list[str],
-        numbers: bytes,
-        limits: tuple[Limit | Concurrency, ...],
-        token_bytes: bytes,
-    ) -> Decision | None:
-        """One script call and its Decision; None if the reservation ``token_bytes``
-        names was already started on (``SPENT``)."""
-        algorithm = rate_algorithm(limits)
-        reply = self._script_reply(algorithm, every, token_bytes, numbers)
-        # the log's entries and concurrency slots are named by their token; the counter
-        # keeps no entries
-        logged = algorithm != "counter" or isinstance(limits[-1], Concurrency)
-        if len(reply) == 3:  # allowed now by its one limit: the script's short reply
-            remaining, reset_us, at_us = reply
-            return Decision(
-                allowed=True,
-                remaining=remaining,
-                retry_after=0.0,
-                reset_after=reset_us / 1_000_000,
-                token=token_bytes.hex() if logged else None,
-                at=at_us / 1_000_000,
-            )
-        status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
-        if status == SPENT:
-            return None
-        reserved = status in (RESERVED, NOT_YET_DUE)
-        allowed = status in (ALLOWED, STARTS_AT)
-        paused = denied_by == len(limits) + 1
-        return Decision(
-            allowed=allowed,
-            remaining=remaining,
-            retry_after=retry_us / 1_000_000,
-            reset_after=reset_us / 1_000_000,
-            limit=limits[denied_by - 1] if denied_by and not paused else None,
-            reserved=reserved,
-            token=token_bytes.hex() if reserved or (allowed and logged) else None,
-            at=at_us / 1_000_000,
-            paused=paused,
-        )
-
-    def _script_reply(self, name: str, every: list[str], token: bytes, numbers: bytes) -> Any:
-        """The reply of one call of the script ``name`` (on the held connection).
+    def _script_reply(self, call: ScriptCall) -> Any:
+        """The script's reply to ``call`` (on the held connection).
 
         Raises:
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
         """
-        script = self._scripts[name]
+        script = self._scripts[call.script]
         if not self._checked:
             self.check()
+        keys, token, numbers = call.keys, call.token, call.numbers
         try:
             try:
-                return self._send("EVALSHA", script.sha, len(every), *every, token, numbers)
+                return self._send("EVALSHA", script.sha, len(keys), *keys, token, numbers)
             except redis.exceptions.NoScriptError:
                 # loads the script, then runs it
-                return script(keys=every, args=[token, numbers])
+                return script(keys=keys, args=[token, numbers])
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc

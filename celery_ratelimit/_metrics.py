@@ -34,9 +34,9 @@ from typing import Any
 
 from celery import signals
 
+from ._base import CONFIRM, RESTAMP
 from ._decision import Decision
 from ._limit import AnyLimit
-from ._limiter import CONFIRM, RESTAMP
 
 logger = logging.getLogger("celery_ratelimit")
 

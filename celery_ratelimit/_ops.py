@@ -19,19 +19,24 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
+from ._base import PEEK
 from ._keys import escape_key
 from ._layout import (
     COUNTER_FIELDS,
+    ENTRY_FLOOR,
     PAUSE_FIELD,
     PENDING,
+    RATE_FIELD,
     STARTS,
+    WINDOW_META,
     KeyName,
     log_entries,
     parse_key,
+    parse_override,
     prefix_glob,
 )
 from ._limit import AnyLimit, Concurrency, Limit, to_limits
-from ._limiter import PEEK, REDIS_ERRORS, Limiter
+from ._limiter import REDIS_ERRORS, Limiter
 from ._rate import Rate
 from ._settings import redis_url, setting
 
@@ -52,15 +57,17 @@ class KnownLimit:
 
     def matches(self, name: KeyName) -> bool:
         limit = self.limit
-        window = 0 if isinstance(limit, Concurrency) else limit.rate.window_us
+        window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
         return (
-            name.algorithm == limit.algorithm
+            name.algorithm == limit.kind
             and name.window_us == window
             and self.pattern.fullmatch(name.key) is not None
         )
 
 
 def _key_pattern(limit: AnyLimit, task_name: str | None) -> re.Pattern[str] | None:
+    if isinstance(limit, Limit) and callable(limit.rate):
+        return None  # a rate function: which windows it gives cannot be known
     key = limit.key
     if key is None:
         return re.compile(re.escape(escape_key(task_name))) if task_name else None
@@ -120,7 +127,8 @@ class KeyStatus:
     ``used`` is the weight counted in the window up to now (for the counter, the
     algorithm's estimate), ``reserved`` the weight of reservations (future entries)
     and ``reservations`` their number. With a known ``limit``: ``remaining`` (counting
-    reservations) and ``next_free`` (seconds until a call of cost 1 fits, from a peek).
+    reservations) and ``next_free`` (seconds until a call of cost 1 fits, from a peek);
+    ``override``: the key's rate override of this window, in force (``Limiter.override``).
     """
 
     name: KeyName
@@ -133,6 +141,7 @@ class KeyStatus:
     next_free: float | None = None
     oldest_leaves: float | None = None
     ttl: float | None = None
+    override: Rate | None = None
 
 
 def server_now_us(client: Any) -> int:
@@ -162,29 +171,70 @@ def concurrency_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     return KeyStatus(name, used=client.zcard(key + STARTS), reserved=waiting, reservations=waiting)
 
 
+def calendar_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    """A calendar-aligned key: the weight counted in the window holding ``now`` (the
+    latest one begun) and in windows still to come (reservations)."""
+    metas = client.zrangebyscore(name.redis_key, "-inf", f"({ENTRY_FLOOR}", withscores=True)
+    names = [(m.decode() if isinstance(m, bytes) else m, int(w)) for m, w in metas]
+    windows = sorted(
+        (int(name[len(WINDOW_META) :]), weight)
+        for name, weight in names
+        if name.startswith(WINDOW_META)
+    )
+    begun = [weight for start, weight in windows if start <= now]
+    status = KeyStatus(name, used=begun[-1] if begun else 0)
+    status.reserved = sum(weight for start, weight in windows if start > now)
+    status.reservations = client.zcount(name.redis_key, f"({now}", "+inf")
+    return status
+
+
 def key_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     """The state of one limit's key, whatever its algorithm."""
-    read = {"log": log_status, "counter": counter_status, "conc": concurrency_status}
+    read = {
+        "log": log_status,
+        "counter": counter_status,
+        "conc": concurrency_status,
+        "cal": calendar_status,
+    }
     return read[name.algorithm](client, name, now)
 
 
-def pauses(limiter: Limiter, match: str | None = None) -> list[tuple[str, float]]:
-    """``(key, seconds left)`` of every paused key (``Limiter.pause``, a 429)."""
+@dataclass(frozen=True)
+class KeySettings:
+    """What an operator set on a logical key: a pause (seconds left, 0 if none) and a
+    rate override (``Limiter.override``) with the seconds it has left (None: no end)."""
+
+    key: str
+    paused_for: float = 0.0
+    override: Rate | None = None
+    override_for: float | None = None
+
+
+def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings]:
+    """The keys (matching the glob ``match``) that are paused or have a rate override."""
     client = limiter.client
     found = []
     try:
         now = server_now_us(client)
         for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
             name = _text(raw)
-            until = client.hget(name, PAUSE_FIELD)
-            if until is None or float(until) <= now:
+            until, rate = client.hmget(name, PAUSE_FIELD, RATE_FIELD)
+            paused_for = max(float(until or 0) - now, 0) / 1_000_000
+            override = parse_override(rate, now)
+            if not paused_for and override is None:
                 continue
             key = name[len(limiter.prefix) + 2 : -len(":settings")].replace("}", "", 1)
-            if match is None or fnmatchcase(key, match):
-                found.append((key, (float(until) - now) / 1_000_000))
+            if match is not None and not fnmatchcase(key, match):
+                continue
+            row = KeySettings(key, paused_for)
+            if override is not None:
+                limit, window_us, ends = override
+                left = (ends - now) / 1_000_000 if ends else None
+                row = KeySettings(key, paused_for, Rate(limit, window_us), left)
+            found.append(row)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "a status read") from exc
-    return sorted(found)
+    return sorted(found, key=lambda row: row.key)
 
 
 def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
@@ -219,6 +269,7 @@ def status(
     """
     client = limiter.client
     result: list[KeyStatus] = []
+    overrides = {row.key: row.override for row in key_settings(limiter, match) if row.override}
     try:
         now = server_now_us(client)
         names = sorted(
@@ -239,6 +290,9 @@ def status(
             matching = [k for k in known if k.matches(name)]
             if matching:
                 row.limit = matching[0].limit
+                override = overrides.get(name.key)
+                if override is not None and override.window_us == name.window_us:
+                    row.override = override
                 row.sources = sorted({k.source for k in matching})
                 decision = limiter.decide([name.redis_key], (row.limit,), 1, PEEK, guard=guard)
                 row.remaining = decision.remaining
@@ -284,10 +338,13 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
             free = in_seconds(row.next_free or 0.0)
             label = f"{row.limit.label} ({', '.join(row.sources)})"
         elif row.limit is not None:
-            used = f"{row.used}/{row.limit.rate.limit}"
+            limit = row.override.limit if row.override else row.limit.fixed_rate.limit
+            used = f"{row.used}/{limit}"
             remaining = str(row.remaining)
             free = in_seconds(row.next_free or 0.0)
             label = f"{row.limit.label} ({', '.join(row.sources)})"
+            if row.override:
+                label += f"; overridden: {row.override}"
         else:
             used = f"{row.used}"
             remaining = "?"
@@ -321,19 +378,28 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     return lines
 
 
-def format_pauses(paused: Sequence[tuple[str, float]]) -> list[str]:
-    """The lines ``status`` prints about paused keys."""
-    return [f"paused {key}: nothing is granted on it {in_seconds(left)}" for key, left in paused]
+def format_settings(rows: Sequence[KeySettings]) -> list[str]:
+    """The lines ``status`` prints about paused keys and rate overrides."""
+    lines = []
+    for row in rows:
+        if row.paused_for:
+            lines.append(f"paused {row.key}: nothing is granted on it {in_seconds(row.paused_for)}")
+        if row.override is not None:
+            left = row.override_for
+            until = "until unset" if left is None else f"ends {in_seconds(left)}"
+            lines.append(f"override {row.key}: {row.override} ({until})")
+    return lines
 
 
 __all__ = [
     "KeyName",
+    "KeySettings",
     "KeyStatus",
     "KnownLimit",
-    "format_pauses",
+    "format_settings",
     "format_status",
+    "key_settings",
     "key_status",
     "known_limits",
-    "pauses",
     "status",
 ]

@@ -1,7 +1,8 @@
 """Plan: what a rate-limited task's limits need per call, worked out once per task class.
 
 A call's keys come from the limits' templates formatted with the call's arguments bound
-to the task's signature (or from key functions), its costs from ints or cost functions.
+to the task's signature (or from key functions), its costs from ints or cost functions,
+its rates from rate functions where a limit has one.
 Templates are checked against the signature when the task is declared: a field that no
 call can have is refused then, not at every call.
 """
@@ -12,11 +13,19 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from ._exceptions import InvalidLimit
+from ._exceptions import InvalidLimit, InvalidRate
 from ._keys import escape_key, render
 from ._limit import AnyLimit, Concurrency, Limit, check_cost, to_limits
+
+
+class Call(NamedTuple):
+    """What one call of a task checks: escaped keys, costs and its limits."""
+
+    keys: tuple[str, ...]
+    costs: tuple[int, ...]
+    limits: tuple[AnyLimit, ...]
 
 
 @dataclass(frozen=True)
@@ -26,17 +35,15 @@ class Plan:
     limits: tuple[AnyLimit, ...]
     signature: inspect.Signature | None
     task_name: str
-    #: keys and costs when no limit depends on the call's arguments (worked out once)
-    fixed: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    #: the call when no limit depends on the call's arguments (worked out once)
+    fixed: Call | None = None
 
-    def resolve(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """Escaped keys and costs for this call.
+    def resolve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Call:
+        """Escaped keys, costs and limits (a rate function's rate in place) for this call.
 
         Raises:
-            InvalidLimit: a template names a missing argument, a key or cost function
-                raised or returned something unusable, or a cost exceeds its limit.
+            InvalidLimit: a template names a missing argument, a key, cost or rate
+                function raised or returned something unusable, or a cost exceeds its limit.
             TypeError: a cost function returned a bool, a float or a non-number.
         """
         if self.fixed is not None:
@@ -44,7 +51,11 @@ class Plan:
         arguments: Mapping[str, Any] | None = None
         keys: list[str] = []
         costs: list[int] = []
+        limits: list[AnyLimit] = []
         for limit in self.limits:
+            if not isinstance(limit, Concurrency) and callable(limit.rate):
+                limit = _rated(limit, args, kwargs)
+            limits.append(limit)
             key = limit.key
             if key is None:
                 keys.append(escape_key(self.task_name))
@@ -70,13 +81,13 @@ class Plan:
             if callable(cost):
                 cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)
             check_cost(cost, f"cost of {limit.label}")
-            if cost > limit.rate.limit:
+            if cost > limit.fixed_rate.limit:
                 raise InvalidLimit(
                     f"cost {cost} of {self.task_name} is greater than the limit "
                     f"{limit.label}: it could never run"
                 )
             costs.append(cost)
-        return tuple(keys), tuple(costs)
+        return Call(tuple(keys), tuple(costs), tuple(limits))
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         """The call's arguments by name, defaults applied; a ``**kwargs`` parameter's
@@ -95,6 +106,16 @@ class Plan:
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 arguments = {**arguments.pop(parameter.name, {}), **arguments}
         return arguments
+
+
+def _rated(limit: Limit, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Limit:
+    """``limit`` with the rate its rate function gives for this call."""
+    what = f"rate function of {limit.label}"
+    value = _call_user(limit.rate, what, args, kwargs)
+    try:
+        return limit.with_rate(value)
+    except (InvalidRate, InvalidLimit) as exc:
+        raise InvalidLimit(f"{what} returned {value!r}: {exc}") from None
 
 
 def _call_user(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -168,7 +189,11 @@ def plan_for(task: Any) -> Plan | None:
             signature = None
         plan = Plan(to_limits(spec, f"ratelimit of task {name}"), signature, name)
         if not any(
-            limit.fields or callable(limit.key) or callable(limit.cost) for limit in plan.limits
+            limit.fields
+            or callable(limit.key)
+            or callable(limit.cost)
+            or (isinstance(limit, Limit) and callable(limit.rate))
+            for limit in plan.limits
         ):
             plan = dataclasses.replace(plan, fixed=plan.resolve((), {}))
     cls._ratelimit_plan = (spec, plan)

@@ -15,14 +15,19 @@ from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
+from ._calendar import boundaries, zone_of
 from ._exceptions import InvalidLimit
 from ._limit import DEFAULT_LEASE, Concurrency, check_cost
+from ._rate import Rate
 
 NAMES = ("sliding_log", "sliding_counter", "concurrency", "park")
 _INCLUDE = re.compile(r'^--- @include "([a-z_]+\.lua)"$', re.MULTILINE)
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
+#: The mode of a settle (see lua/sliding_log.lua): its costs may be 0 or above a limit.
+SETTLE = 9
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
 
@@ -85,10 +90,25 @@ class Shape:
         return all(type(one) is int for one in costs)
 
     @cached_property
+    def aligned(self) -> tuple[tuple[int, ZoneInfo], ...]:
+        """(window µs, zone) of every calendar-aligned limit, in order."""
+        return tuple(
+            (limit.fixed_rate.window_us, zone_of(limit.align))
+            for limit in self.limits
+            if not isinstance(limit, Concurrency) and limit.align is not None
+        )
+
+    def calendar(self) -> bytes:
+        """The aligned limits' window boundaries around this machine's clock now (sent
+        after :attr:`numbers`; empty when there are none)."""
+        return b"".join(boundaries(window, zone) for window, zone in self.aligned)
+
+    @cached_property
     def numbers(self) -> bytes:
-        """The script's ARGV[2]: mode, horizon, guard, hold, how many concurrency
-        limits and settings keys (one per limit), then (limit, window, cost) of every
-        rate limit and (n, lease) of every concurrency limit, as packed doubles.
+        """The script's ARGV[2] but for calendar boundaries (see :meth:`aligned`): mode,
+        horizon, guard, hold, how many concurrency limits, settings keys (one per limit)
+        and aligned limits, then (limit, window, cost) of every rate limit (sliding, then
+        aligned) and (n, lease) of every concurrency limit, as packed doubles.
 
         Raises:
             InvalidLimit, TypeError: a bad cost or horizon, naming it.
@@ -116,17 +136,24 @@ class Shape:
             int(self.hold * 1_000_000),
             len(slots),
             len(limits),
+            len(self.aligned),
         ]
         for limit, one in zip(limits, costs, strict=True):
             if isinstance(limit, Concurrency):
                 continue
+            if self.mode == SETTLE:
+                # a real cost known after the call: a refund to 0, or above the limit
+                if isinstance(one, bool) or not isinstance(one, int) or one < 0:
+                    raise InvalidLimit(f"a settled cost must be an int of 0 or more, got {one!r}")
+                numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, one)
+                continue
             check_cost(one)
-            if one > limit.rate.limit:
+            if one > limit.fixed_rate.limit:
                 raise InvalidLimit(
                     f"cost {one} is greater than the limit of {limit.label}: "
                     "such a call could never run"
                 )
-            numbers += (limit.rate.limit, limit.rate.window_us, one)
+            numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, one)
         for slot in slots:
             lease = slot.lease or self.lease or DEFAULT_LEASE
             numbers += (slot.n, int(lease * 1_000_000))
@@ -135,7 +162,27 @@ class Shape:
 
 def pause_numbers(seconds: float, keys: int) -> bytes:
     """ARGV[2] of a pause (mode 7) of ``keys`` settings hashes for ``seconds``."""
-    return struct.pack("<6d", 7, int(seconds * 1_000_000), 0, 0, 0, keys)
+    return struct.pack("<7d", 7, int(seconds * 1_000_000), 0, 0, 0, keys, 0)
+
+
+def override_numbers(rate: Rate | None, ttl: float | None) -> bytes:
+    """ARGV[2] of a rate override (mode 8) of one settings hash: ``rate`` (None:
+    remove) for ``ttl`` seconds (None: until removed).
+
+    Raises:
+        InvalidLimit, TypeError: a bad ``ttl``, naming it.
+    """
+    ttl_us = 0
+    if ttl is not None:
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+            raise TypeError(f"ttl must be a number of seconds or None, got {ttl!r}")
+        if not 0 < ttl <= MAX_HORIZON:
+            raise InvalidLimit(
+                f"ttl must be more than 0 and at most {MAX_HORIZON:g} seconds, got {ttl!r}"
+            )
+        ttl_us = max(int(ttl * 1_000_000), 1)
+    limit, window_us = (rate.limit, rate.window_us) if rate is not None else (0, 0)
+    return struct.pack("<7d", 8, ttl_us, limit, window_us, 0, 1, 0)
 
 
 def shape(

@@ -16,10 +16,11 @@ from urllib.parse import urlsplit
 
 from celery import signals
 
+from ._base import DEFAULT_PREFIX
 from ._client import check_url
 from ._exceptions import InvalidLimit
 from ._limit import REDIS_ERROR_POLICIES
-from ._limiter import DEFAULT_PREFIX, Limiter
+from ._limiter import Limiter
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 

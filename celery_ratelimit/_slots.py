@@ -20,7 +20,8 @@ from typing import Any
 
 from celery import signals
 
-from ._limiter import RELEASE, Limiter
+from ._base import RELEASE
+from ._limiter import Limiter
 from ._scripts import shape
 
 logger = logging.getLogger("celery_ratelimit")

@@ -9,8 +9,14 @@ manual use. On top of it, ``search.list`` has a dedicated cap
 minutes. Both limits are checked in one script, all or nothing, and they share the
 key's first segment ``yt``: the Redis Cluster hash tag, so both keys sit in one slot.
 
-Time is scaled so that a "day" lasts ``YT_DAY_SECONDS`` seconds (default 4) and the
-search cap's "hour" a 24th of it. The whole run takes two scaled days.
+The API's daily quota resets at midnight Pacific Time (its Quota Calculator page), so
+the real declaration is a calendar day in that zone:
+``Limit("9500/d", key=..., align="America/Los_Angeles")`` (``YT_CALENDAR=day``); a
+sliding day would hold back units the API has already given back. A demo cannot wait
+for midnight: ``YT_CALENDAR=minute`` makes the "day" a minute of the Pacific clock (the
+run takes until the next minute or two), and by default time is scaled instead, a
+"day" lasting ``YT_DAY_SECONDS`` seconds (default 4, a sliding window: a calendar
+window cannot be shortened). The search cap's "hour" is a 24th of the "day".
 
 Run it (a Redis on localhost, or the URLs below)::
 
@@ -19,8 +25,8 @@ Run it (a Redis on localhost, or the URLs below)::
     python -m examples.quota_ingestion
 
 Environment: ``CELERY_BROKER_URL`` (default ``redis://localhost:6379/1``),
-``RATELIMIT_REDIS_URL`` (default ``redis://localhost:6379/0``), ``YT_DAY_SECONDS``,
-``YT_SEARCHES`` and ``YT_PAGES`` (calls per region).
+``RATELIMIT_REDIS_URL`` (default ``redis://localhost:6379/0``), ``YT_CALENDAR``,
+``YT_DAY_SECONDS``, ``YT_SEARCHES`` and ``YT_PAGES`` (calls per region).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import redis
 from celery import Celery
@@ -37,7 +45,11 @@ from celery_ratelimit import Limit, Rate, RateLimitedTask
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
-DAY_US = int(float(os.environ.get("YT_DAY_SECONDS", "4")) * 1_000_000)
+CALENDAR = os.environ.get("YT_CALENDAR", "")  # "day", "minute" or "" (scaled)
+PACIFIC = ZoneInfo("America/Los_Angeles")  # where the API's day begins and ends
+DAY_US = {"day": 86_400_000_000, "minute": 60_000_000}.get(
+    CALENDAR, int(float(os.environ.get("YT_DAY_SECONDS", "4")) * 1_000_000)
+)
 SEARCHES = int(os.environ.get("YT_SEARCHES", "15"))  # search.list calls per region
 PAGES = int(os.environ.get("YT_PAGES", "25"))  # videos.list pages per region
 
@@ -48,8 +60,10 @@ QUOTA_UNITS = 9_500  # of 10,000: the limiter must run out before Google does
 SEARCH_CAP = 25  # search.list calls per scaled hour
 RUNS = "example:yt:runs"  # where each execution records itself (for the report)
 
-#: The shared daily quota, in units, for every call made with one API key.
+#: The shared daily quota, in units, for every call made with one API key: a calendar
+#: day (or minute) of the Pacific clock, or a scaled sliding "day".
 QUOTA = Rate(QUOTA_UNITS, DAY_US)
+ALIGN = "America/Los_Angeles" if CALENDAR else None
 #: The dedicated cap on the expensive call, in calls.
 SEARCH_HOURLY = Rate(SEARCH_CAP, DAY_US // 24)
 
@@ -76,7 +90,7 @@ def _record(task: Any, endpoint: str, region: str) -> None:
 @app.task(
     base=RateLimitedTask,
     bind=True,
-    ratelimit=Limit(QUOTA, key="yt:quota:{api_key}", cost=COSTS["videos.list"]),
+    ratelimit=Limit(QUOTA, key="yt:quota:{api_key}", cost=COSTS["videos.list"], align=ALIGN),
 )
 def videos_list(self: Any, api_key: str, region: str, page: int) -> None:
     """One page of a region's trending videos (videos.list: 1 unit)."""
@@ -87,7 +101,7 @@ def videos_list(self: Any, api_key: str, region: str, page: int) -> None:
     base=RateLimitedTask,
     bind=True,
     ratelimit=[
-        Limit(QUOTA, key="yt:quota:{api_key}", cost=COSTS["search.list"]),
+        Limit(QUOTA, key="yt:quota:{api_key}", cost=COSTS["search.list"], align=ALIGN),
         Limit(SEARCH_HOURLY, key="yt:search:{api_key}"),
     ],
 )
@@ -118,6 +132,37 @@ def _max_in_window(points: list[tuple[int, int]], window: int) -> int:
     return best
 
 
+def lines_head(day: int) -> list[str]:
+    what = f"{CALENDAR} of the Pacific clock" if CALENDAR else f"scaled day ({day / 1e6:g}s)"
+    return [
+        f"quota {QUOTA_UNITS} units per {what}; search.list capped at "
+        f"{SEARCH_CAP} calls per scaled hour ({SEARCH_HOURLY.window:.3f}s)",
+    ]
+
+
+def _calendar_report(
+    units: list[tuple[int, int]], searches: list[tuple[int, int]], lines: list[str]
+) -> list[str]:
+    """Units spent in each calendar window of the Pacific clock against the quota."""
+    spent: dict[str, int] = {}
+    for t, weight in sorted(units):
+        local = datetime.fromtimestamp(t / 1e6, PACIFIC)
+        label = local.strftime("%Y-%m-%d" if CALENDAR == "day" else "%Y-%m-%d %H:%M %Z")
+        spent[label] = spent.get(label, 0) + weight
+    lines += [
+        f"{CALENDAR} {label}  {n:6d} units spent   (quota {QUOTA_UNITS})"
+        for label, n in spent.items()
+    ]
+    most_search = _max_in_window(searches, SEARCH_HOURLY.window_us)
+    held = max(spent.values()) <= QUOTA_UNITS and most_search <= SEARCH_CAP
+    lines += [
+        f"most units in one calendar {CALENDAR:6}   {max(spent.values())} / {QUOTA_UNITS}",
+        f"most search.list in any sliding hour {most_search} / {SEARCH_CAP}",
+        "result: " + ("the quota held" if held else "THE QUOTA WAS EXCEEDED"),
+    ]
+    return lines
+
+
 def report(runs: list[tuple[int, str, str]]) -> list[str]:
     """Units spent per scaled day against the quota, and the sliding-window maxima."""
     units = [(t, COSTS[endpoint]) for t, endpoint, _ in runs]
@@ -125,11 +170,12 @@ def report(runs: list[tuple[int, str, str]]) -> list[str]:
     first = min(t for t, _ in units)
     day = QUOTA.window_us
     lines = [
-        f"quota {QUOTA_UNITS} units per scaled day ({day / 1e6:g}s); search.list capped at "
-        f"{SEARCH_CAP} calls per scaled hour ({SEARCH_HOURLY.window:.3f}s)",
+        *lines_head(day),
         f"executed {len(searches)} search.list x 100 + {len(units) - len(searches)} "
         f"videos.list x 1 = {sum(w for _, w in units)} units, from {len(REGIONS)} regions",
     ]
+    if CALENDAR:
+        return _calendar_report(units, searches, lines)
     days = (max(t for t, _ in units) - first) // day + 1
     for k in range(days):
         lo = first + k * day

@@ -10,7 +10,10 @@
 --   waiters  sorted set: token -> the instant its turn is expected (µs): denied calls
 --            that reserved a turn, in order; one later than its turn by more than GRACE
 --            gives its turn up (its task competes afresh if it ever comes)
--- KEYS[sbase + i]  the settings hash of the call's i-th key: "pause" = until (µs)
+-- KEYS[sbase + i]  the settings hash of the call's i-th key: "pause" = until (µs);
+--            "rate" = "limit window_us until_us" (until 0: no end), a rate override
+--            of the key's rate limit of that window, or of its only one whatever its
+--            window (see `rated`)
 -- numbers from byte coff of ARGV[2]: (most, lease µs) of every concurrency limit
 --
 -- A call may start when every key is unpaused and, for every concurrency limit, fewer
@@ -22,7 +25,9 @@
 -- keep their order, so a queue of waiters comes back one by one, not all at once.
 --
 -- Extra modes: 6 renew this token's leases; 7 pause every settings key for `horizon`
--- µs (a later end wins). Both reply {1 or 0, 0, 0, 0, 0, until or now}.
+-- µs (a later end wins); 8 set the rate override of every settings key to `guard`
+-- per `hold` µs for `horizon` µs (0: no end), or remove it (`guard` 0). They reply
+-- {1 or 0, 0, 0, 0, 0, until or now}.
 
 local GRACE = 2000000
 -- A guess of a body's time before any body has ended: what the longest-running one
@@ -51,11 +56,66 @@ if mode == 7 then
     local old = tonumber(redis.call('HGET', key, 'pause') or 0)
     if old > till then till = old end
     redis.call('HSET', key, 'pause', till)
-    if redis.call('PTTL', key) < math.ceil((till - now) / 1000) + 1000 then
+    -- the hash lasts at least as long as the pause (for good with a lasting override)
+    local ttl = redis.call('PTTL', key)
+    if ttl ~= -1 and ttl < math.ceil((till - now) / 1000) + 1000 then
       redis.call('PEXPIRE', key, math.ceil((till - now) / 1000) + 1000)
     end
   end
   return {1, 0, till - now, 0, 0, till}
+end
+if mode == 8 then
+  local till = horizon > 0 and now + horizon or 0
+  for i = 1, ns do
+    local key = KEYS[sbase + i]
+    if guard > 0 then
+      redis.call('HSET', key, 'rate', string.format('%.0f %.0f %.0f', guard, hold, till))
+    else
+      redis.call('HDEL', key, 'rate')
+    end
+    -- the hash lasts as long as its override (for good: `till` 0) or its pause
+    local last = math.max(till, tonumber(redis.call('HGET', key, 'pause') or 0))
+    if guard > 0 and till == 0 then
+      redis.call('PERSIST', key)
+    elseif last > now then
+      redis.call('PEXPIRE', key, math.ceil((last - now) / 1000) + 1000)
+    else
+      redis.call('DEL', key)
+    end
+  end
+  return {1, 0, 0, 0, 0, till > 0 and till or now}
+end
+
+-- The settings of the call's keys: pauses (read below) and rate overrides, settings
+-- index -> {limit, window}; nil when there is none (the usual case).
+local pauses, overrides = {}, nil
+if mode <= 5 then
+  for i = 1, ns do
+    local s = redis.call('HMGET', KEYS[sbase + i], 'pause', 'rate')
+    pauses[i] = tonumber(s[1] or 0)
+    if s[2] and i <= nlimits then
+      local l, w, u = string.match(s[2], '^(%d+) (%d+) (%d+)$')
+      if l and (tonumber(u) == 0 or tonumber(u) > now) then
+        overrides = overrides or {}
+        overrides[i] = {tonumber(l), tonumber(w)}
+      end
+    end
+  end
+end
+
+-- Rate limit i's limit and window (µs), after its key's override if there is one: an
+-- override of the same window, or one of any window when the limit is the key's only
+-- rate limit in this call. A cost above the new limit counts as the whole limit (the
+-- call runs alone in its window rather than never).
+local function rated(i, limit, window, cost)
+  local o = overrides and overrides[i]
+  if not o then return limit, window end
+  if o[2] ~= window then
+    for j = 1, nlimits do
+      if j ~= i and KEYS[sbase + j] == KEYS[sbase + i] then return limit, window end
+    end
+  end
+  return math.max(o[1], cost), o[2]
 end
 if mode == 6 then
   local kept = 1
@@ -90,8 +150,7 @@ end
 
 if mode <= 3 then
   for i = 1, ns do
-    local till = tonumber(redis.call('HGET', KEYS[sbase + i], 'pause') or 0)
-    if till > gate then gate, gate_by = till, PAUSED end
+    if pauses[i] > gate then gate, gate_by = pauses[i], PAUSED end
   end
   for j = 1, nc do
     local c = cs[j]

@@ -15,8 +15,9 @@
 -- KEYS[n+i] the pending set of limit i: the reservations whose task has not started
 --           yet (same member, score = its slot). A start is checked against what
 --           really started: the log's entries minus the pending ones.
--- then      the call's concurrency limits' keys (3 each) and its keys' settings hashes
---           (see gate.lua): n = (#KEYS - 3 * nc - ns) / 2 rate limits.
+-- then      the call's calendar-aligned limits' keys (calendar.lua), its concurrency
+--           limits' keys (3 each) and its keys' settings hashes (see gate.lua):
+--           n = (#KEYS - na - 3 * nc - ns) / 2 sliding rate limits.
 -- ARGV[1]   token: 8 bytes, unique per call; the member this call writes
 -- ARGV[2]   the numbers, packed as little-endian doubles (struct '<d', exact for
 --           integers below 2^53; one argument is much cheaper for a client to send, and
@@ -28,6 +29,9 @@
 --                 4 release the reservation held by ARGV[1] (if still in the future)
 --                 5 restamp: the task granted as ARGV[1] starts only now (its grant's
 --                   reply was read late): start it as mode 3 starts a late task
+--                 9 settle: the call ARGV[1], counted at the weights packed after
+--                   every other number (one per rate limit), now weighs its cost
+--                   (0 or more, may exceed the limit)
 --   2       horizon, microseconds: no reservation is made further ahead than this
 --   3       guard, microseconds: every window W is placed as W + g, g = min(guard,
 --           W / 25), while a confirmed reservation starts as soon as its cost fits
@@ -37,9 +41,11 @@
 --   4       hold, microseconds: a start (mode 1, 3 or 5) due no further ahead than this
 --           is recorded as started at that instant (status 6): the caller waits for
 --           it in-process and runs without a second call. 0: never
---   5, 6    nc, ns: how many concurrency limits and settings hashes (gate.lua)
---   4+3i, 5+3i, 6+3i   for KEYS[i]: limit (weight units), window (microseconds) and
---           this call's cost there (1 <= cost <= limit); then gate.lua's numbers
+--   5, 6, 7 nc, ns, na: how many concurrency limits, settings hashes (gate.lua) and
+--           calendar-aligned limits (calendar.lua)
+--   5+3i, 6+3i, 7+3i   for KEYS[i]: limit (weight units), window (microseconds) and
+--           this call's cost there (1 <= cost <= limit); then the same three of each
+--           aligned limit, gate.lua's numbers, and calendar.lua's boundaries
 -- Modes 6 (renew) and 7 (pause) are gate.lua's. A paused key or a full concurrency
 -- limit holds a call back as a later instant would: it starts, or is placed, no
 -- sooner than gate.lua's `gate`; a start held back by a concurrency limit is
@@ -56,6 +62,7 @@
 --                5 (mode 3) a task already started on this reservation: acquire anew
 --                6 started at `at`, within `hold` from now (retry_after = at - now):
 --                  run then, without confirming
+--                7 (mode 9) settled (0: no entry of the call was found)
 --   remaining    weight still free in the tightest limit, counting reservations
 --   retry_after  microseconds until this cost fits every limit (0 when allowed)
 --   reset_after  microseconds until every limit of the call is back to full
@@ -107,16 +114,18 @@ local PRUNE_BATCH = 500
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token = ARGV[1]
-local mode, horizon, guard, hold, nc, ns = struct.unpack('<dddddd', ARGV[2])
-local n = (#KEYS - 3 * nc - ns) / 2
-local limit1, plain1, cost1 = struct.unpack('<ddd', ARGV[2], 49)
+local mode, horizon, guard, hold, nc, ns, na = struct.unpack('<ddddddd', ARGV[2])
+local n = (#KEYS - na - 3 * nc - ns) / 2
+local limit1, plain1, cost1 = struct.unpack('<ddd', ARGV[2], 57)
 -- the numbers of limits 2..n in a table, only when there are more (one table costs
 -- about 1 us, a tenth of a single-limit decision)
-local v = n > 1 and {struct.unpack('<' .. string.rep('d', 3 * n), ARGV[2], 49)} or nil
-local nlimits, cbase, sbase, coff = n, 2 * n, 2 * n + 3 * nc, 49 + 24 * n
+local v = n > 1 and {struct.unpack('<' .. string.rep('d', 3 * n), ARGV[2], 57)} or nil
+local nlimits, cbase, sbase, coff = n + na, 2 * n + na, 2 * n + na + 3 * nc, 57 + 24 * (n + na)
+local abase, aidx, aoff, boff = 2 * n, n, 57 + 24 * n, coff + 16 * nc
 
 --- @include "gate.lua"
-local simple = nc == 0 and gate == now
+--- @include "calendar.lua"
+local simple = nc == 0 and na == 0 and gate == now
 
 -- One table per limit: its key and numbers, and what its meta members say once
 -- expired entries are pruned (not when peeking). total: the weight in the window;
@@ -126,6 +135,7 @@ local ks = {}
 for i = 1, n do
   local key, limit, plain, cost = KEYS[i], limit1, plain1, cost1
   if i > 1 then limit, plain, cost = v[3 * i - 2], v[3 * i - 1], v[3 * i] end
+  limit, plain = rated(i, limit, plain, cost)
   local slack = math.min(guard, math.floor(plain / 25))
   local meta = redis.call('ZMSCORE', key, '', '+', '=', '~')
   local total = meta[1] and tonumber(meta[1]) or 0
@@ -228,6 +238,36 @@ end
 
 --- @include "sliding_log_write.lua"
 
+if mode == 9 then
+  -- settle: the call's entry, counted at weight `was`, now weighs its cost (a
+  -- refund frees budget at once; a surcharge may put the window over its limit, which
+  -- the next calls wait out). Its instant stays; an entry that has left the window,
+  -- or was never written, is left alone.
+  local was = {struct.unpack('<' .. string.rep('d', n + na), ARGV[2], boff + 48 * na)}
+  local found = cal_settle(was)
+  for i = 1, n do
+    local k, w = ks[i], was[i]
+    local old = w == 1 and token or token .. '.' .. w
+    local s = redis.call('ZSCORE', k.key, old)
+    if s and tonumber(s) > now - k.window then
+      found = found + 1
+      redis.call('ZREM', k.key, old)
+      k.total = math.max(k.total + k.cost - w, 0)
+      local write = {tonumber(s), k.member, k.total + k.stale, ''}
+      if k.unit ~= 0 and k.unit ~= k.cost then write[5], write[6] = 0, '=' end
+      redis.call('ZADD', k.key, unpack(write))
+      k.dirty = false
+      local slot = redis.call('ZSCORE', KEYS[n + i], old)
+      if slot then
+        redis.call('ZREM', KEYS[n + i], old)
+        redis.call('ZADD', KEYS[n + i], slot, k.member)
+      end
+    end
+  end
+  flush()
+  return summary(found > 0 and 7 or 0, now, 0, 0)
+end
+
 -- The common case first: an acquisition that fits every limit now.
 if mode <= 1 and gate == now then
   local fits = true
@@ -323,6 +363,7 @@ if mode == 3 or mode == 5 then
       end
     end
   end
+  if na > 0 then start = cal_at(start) end
   local wait = start - now
   for i = 1, n do
     local k = ks[i]
@@ -359,6 +400,10 @@ for i = 1, n do
 end
 
 if gate > at then at, denied_by = gate, gate_by end
+if na > 0 then
+  local s, by = cal_at(at)
+  if s > at then at, denied_by = s, aidx + by end
+end
 
 if mode == 2 then
   if denied_by == 0 then

@@ -3,7 +3,8 @@
 
 local function summary(status, at, retry_after, denied_by)
   commit(status, at)
-  local remaining, reset = conc_free(), 0
+  cal_commit(status, at)
+  local remaining, reset = cal_reply(conc_free(), 0)
   for i = 1, n do
     local k = ks[i]
     local free = k.limit - k.total

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from celery_ratelimit import Limiter
+from tests.nodes import Nodes, node_set, unique_prefix
 from tests.redis_server import RedisServer
 
 
@@ -50,3 +54,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+@pytest.fixture
+def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
+    """Start a node set of the test's own (``node_set`` keywords); stopped at teardown,
+    logs printed on failure."""
+    started: list[Nodes] = []
+    with ExitStack() as stack:
+
+        def start(**options: Any) -> Nodes:
+            prefix = unique_prefix(request.node.name)
+            nodes = stack.enter_context(
+                node_set(tmp_path / f"set{len(started)}", prefix, **options)
+            )
+            started.append(nodes)
+            return nodes
+
+        yield start
+        report = getattr(request.node, "rep_call", None)
+        if report is None or not report.passed:
+            for nodes in started:
+                print(nodes.logs_since([0] * len(nodes.logs)))

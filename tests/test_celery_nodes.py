@@ -19,8 +19,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
-from pathlib import Path
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -28,9 +27,9 @@ from celery import chain, chord, group
 from kombu import Connection
 
 from celery_ratelimit import Limiter, Rate, _settings
+from celery_ratelimit._base import RESTAMP
 from celery_ratelimit._check import ETA_MARGIN
 from celery_ratelimit._layout import PENDING
-from celery_ratelimit._limiter import RESTAMP
 from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
 from tests.log_reader import entries as log_entries
 from tests.log_reader import sleep_until, us
@@ -80,27 +79,6 @@ def nodes(redis_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]
     yield redis_nodes
     if _failed(request):
         print(redis_nodes.logs_since(marks))
-
-
-@pytest.fixture
-def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
-    """Start a node set of the test's own (``node_set`` keywords); stopped at teardown,
-    logs printed on failure."""
-    started: list[Nodes] = []
-    with ExitStack() as stack:
-
-        def start(**options: Any) -> Nodes:
-            prefix = unique_prefix(request.node.name)
-            nodes = stack.enter_context(
-                node_set(tmp_path / f"set{len(started)}", prefix, **options)
-            )
-            started.append(nodes)
-            return nodes
-
-        yield start
-        if _failed(request):
-            for nodes in started:
-                print(nodes.logs_since([0] * len(nodes.logs)))
 
 
 def deferrals_logged(nodes: Nodes) -> Counter[str]:

@@ -50,7 +50,7 @@ def test_ratelimit_above_shared_task_gives_every_app_the_same_limits(
     plan = plan_for(task)
     assert plan is not None
     assert plan.limits == (Limit("7/s", key=f"{name}:{{i}}"),)
-    assert plan.resolve((3,), {}) == ((f"{name}:3",), (1,))
+    assert plan.resolve((3,), {})[:2] == ((f"{name}:3",), (1,))
 
 
 def test_a_received_eta_is_moved_only_through_the_private_path(

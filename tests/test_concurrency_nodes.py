@@ -9,38 +9,14 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.nodes import Nodes, node_set, unique_prefix
+from tests.nodes import Nodes
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
-    """Start a node set of the test's own (``node_set`` keywords); logs printed on failure."""
-    started: list[Nodes] = []
-    with ExitStack() as stack:
-
-        def start(**options: Any) -> Nodes:
-            nodes = stack.enter_context(
-                node_set(
-                    tmp_path / f"set{len(started)}", unique_prefix(request.node.name), **options
-                )
-            )
-            started.append(nodes)
-            return nodes
-
-        yield start
-        report = getattr(request.node, "rep_call", None)
-        if report is None or not report.passed:
-            for nodes in started:
-                print(nodes.logs_since([0] * len(nodes.logs)))
 
 
 def bodies(nodes: Nodes, ids: list[str]) -> list[tuple[int, int]]:

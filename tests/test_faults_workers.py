@@ -233,6 +233,7 @@ def test_after_an_outage_overdue_tasks_run_and_none_fails_for_want_of_budget(
     assert max_grants(runs, window_us) <= limit
 
 
+@pytest.mark.skipif(FAKETIME is None, reason="needs faketime (apt-get install faketime)")
 def test_nodes_an_hour_ahead_and_behind_keep_the_budget_and_their_slots(fleet: Fleet) -> None:
     """One node on time, one an hour ahead, one an hour behind (libfaketime)."""
     limit, window_us, tasks = 10, 1_000_000, 40

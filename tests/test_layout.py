@@ -12,12 +12,17 @@ from celery_ratelimit._layout import (
     COUNTER_FIELDS,
     ENTRY_FLOOR,
     META_MEMBERS,
+    PAUSE_FIELD,
+    RATE_FIELD,
     TOKEN_LEN,
+    WINDOW_META,
     log_entries,
     log_total,
     parse_key,
+    parse_override,
     redis_key,
 )
+from celery_ratelimit._ops import key_status
 from celery_ratelimit._scripts import source
 
 
@@ -34,6 +39,22 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     assert f"redis.call('ZMSCORE', key, {members})" in source("sliding_log")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', KEYS[i], {fields})" in source("sliding_counter")
+    assert f"return '{WINDOW_META}' .. string.format" in source("concurrency")
+
+
+def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
+    day = Limit("100/d", align="UTC")
+    (key,) = limiter.keys_for("layout", day)
+    name = parse_key(limiter.prefix, key)
+    assert name is not None and (name.algorithm, name.window_us) == ("cal", 86_400_000_000)
+    for cost in (1, 3):
+        assert limiter.acquire("layout", day, cost=cost).allowed
+    now = int(limiter.client.time()[0]) * 1_000_000
+    status = key_status(limiter.client, name, now)
+    assert (status.used, status.reserved) == (4, 0)
+    assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
+    settings = f"redis.call('HMGET', KEYS[sbase + i], '{PAUSE_FIELD}', '{RATE_FIELD}')"
+    assert settings in source("concurrency")
 
 
 @pytest.mark.parametrize("key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd"])
@@ -55,3 +76,14 @@ def test_what_the_script_writes_is_what_the_layout_reads(limiter: Limiter) -> No
     assert [weight for _, weight in written] == [1, 3, 2]
     assert all(instant >= ENTRY_FLOOR for instant, _ in written)
     assert log_total(limiter.client, key) == 6
+
+
+def test_an_override_reads_back_until_it_lapses(limiter: Limiter) -> None:
+    limiter.override("layout", "50/s", ttl=60)
+    (settings,) = limiter.client.scan_iter(f"{limiter.prefix}:*:settings")
+    value = limiter.client.hget(settings, RATE_FIELD)
+    now = int(limiter.client.time()[0]) * 1_000_000
+    limit, window_us, until = parse_override(value, now) or (0, 0, 0)
+    assert (limit, window_us) == (50, 1_000_000)
+    assert 0 < until - now <= 61_000_000
+    assert parse_override(value, until) is None

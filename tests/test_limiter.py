@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
-from celery_ratelimit._limiter import ACQUIRE, CONFIRM, RESTAMP
+from celery_ratelimit._base import ACQUIRE, CONFIRM, RESTAMP
 from celery_ratelimit._scripts import Shape
 from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
@@ -367,7 +367,12 @@ def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
     after = server_us(redis_client)
     # allowed, and its entry moved from the slot to the instant it really started
     assert due.allowed and us(held.at) <= before <= us(due.at) <= after
-    assert entries(redis_client, key) == [(us(due.at), 1)]  # counted once, the rest left
+    # counted once, where it started; the first grant has left (its leaving was the slot),
+    # the second may not have yet if the confirm came within the gap between the two
+    log = entries(redis_client, key)
+    assert log[-1] == (us(due.at), 1)
+    assert us(held.at) not in [t for t, _ in log[:-1]]
+    assert len(log) <= 2 and max_in_window(log, 300_000) <= 2
 
 
 def test_a_late_start_is_counted_where_it_happened_and_the_next_slot_waits_for_it(

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._base import CONFIRM, RESERVE, RESTAMP
 from celery_ratelimit._keys import MAX_KEY, escape_part, render
 from celery_ratelimit._layout import PENDING, redis_key
-from celery_ratelimit._limiter import CONFIRM, RESERVE, RESTAMP
 from tests.log_reader import (
     ENTRY_FLOOR,
     entries,

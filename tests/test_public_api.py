@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import celery_ratelimit
 
@@ -18,14 +19,30 @@ CONTRACT = {
     # Contract additions (0.2)
     "Concurrency",
     "UpstreamRateLimited",
+    "AsyncLimiter",
+    "settle",
 }
 
 
 def test_contract_additions_have_their_methods() -> None:
-    from celery_ratelimit import Limiter
+    from celery_ratelimit import AsyncLimiter, Limiter
 
     assert callable(Limiter.pause)
     assert callable(Limiter.release)
+    assert callable(Limiter.override)
+    for name in (
+        "acquire",
+        "peek",
+        "confirm",
+        "release",
+        "renew",
+        "pause",
+        "override",
+        "reset",
+        "settle",
+    ):
+        assert callable(getattr(Limiter, name))
+        assert inspect.iscoroutinefunction(getattr(AsyncLimiter, name)), name
 
 
 def test_every_contract_name_is_exported() -> None:

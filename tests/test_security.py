@@ -31,9 +31,9 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
+from celery_ratelimit._base import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._keys import MAX_KEY, escape_key, render
 from celery_ratelimit._layout import redis_key
-from celery_ratelimit._limiter import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
@@ -171,6 +171,26 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     assert limiter.acquire(f"acl:k{n}", [Concurrency(1, key=f"acl:k{n}")]).allowed
     limiter.pause(f"acl:k{n}", 0.2)
     assert limiter.acquire(f"acl:k{n}", slots).paused
+    # overrides: for good, then for a while, then removed (the pause keeps the hash)
+    limiter.override(f"acl:k{n}", "1/s")
+    limiter.override(f"acl:k{n}", "2/s", ttl=1)
+    limiter.override(f"acl:k{n}", None)
+    limiter.override(f"acl:o{n}", "1/s", ttl=1)
+    limiter.override(f"acl:o{n}", None)
+    # a calendar-aligned minute beside a sliding limit: grants, a reservation into the
+    # next window, a release; settling costs on the log, the counter and the calendar
+    aligned = [Limit("5/s", key=f"acl:d{n}"), Limit("2/m", key=f"acl:d{n}", align="UTC")]
+    first = limiter.acquire(f"acl:d{n}", aligned)
+    assert limiter.acquire(f"acl:d{n}", aligned).allowed and first.token
+    ahead = limiter.acquire(f"acl:d{n}", aligned, reserve=True, horizon=120)
+    assert ahead.reserved and ahead.token
+    limiter.release(ahead.token, f"acl:d{n}", aligned)
+    assert limiter.settle(first.token, f"acl:d{n}", aligned, 2).allowed
+    minute = Limit("2/h", key=f"acl:e{n}", algorithm="counter")
+    counted = limiter.acquire(f"acl:e{n}", minute)
+    assert limiter.settle(counted.token, f"acl:e{n}", minute, 2).allowed  # type: ignore[arg-type]
+    alone = Limit("3/h", key=f"acl:h{n}", align="Europe/Berlin")
+    assert limiter.acquire(f"acl:h{n}", alone).allowed
     limiter.reset(f"acl:a{n}", limit)
     limiter.client.time()
     limiter.client.ping()

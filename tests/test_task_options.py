@@ -19,6 +19,8 @@ from celery_ratelimit import (
     InvalidLimit,
     InvalidRate,
     Limit,
+    Limiter,
+    Rate,
     RateLimitedTask,
     install,
     ratelimit,
@@ -213,10 +215,42 @@ def test_key_templates_bind_positional_and_keyword_arguments(app: Celery) -> Non
     app.finalize()
     plan = plan_for(fetch)
     assert plan is not None
-    assert plan.resolve(("k1",), {}) == (("yt:k1:eu", "yt:k1:burst"), (2, 1))
+    assert plan.resolve(("k1",), {})[:2] == (("yt:k1:eu", "yt:k1:burst"), (2, 1))
     assert plan.resolve((), {"api_key": "k1", "region": "us"})[0][0] == "yt:k1:us"
     # a value cannot reach another key or move the hash tag
     assert plan.resolve(("a:b}{c",), {})[0][0] == "yt:a%3Ab%7D%7Bc:eu"
+
+
+def tier_rate(account: str, tier: str = "free") -> str:
+    return {"free": "2/s", "pro": "20/s", "broken": "20/fortnight", "odd": 20}[tier]  # type: ignore[return-value]
+
+
+def test_a_rate_function_gives_each_call_its_tiers_rate_and_key(app: Celery) -> None:
+    @app.task(
+        base=RateLimitedTask,
+        shared=False,
+        ratelimit=[Limit(tier_rate, key="api:{account}"), Limit("3/s", key="all", cost=3)],
+    )
+    def call(account: str, tier: str = "free") -> None: ...
+
+    app.finalize()
+    plan = plan_for(call)
+    assert plan is not None and plan.fixed is None
+    assert plan.limits[0].label == "api:{account}@tier_rate"
+    keys, costs, limits = plan.resolve(("a1",), {"tier": "pro"})
+    assert (keys, costs) == (("api:a1", "all"), (1, 3))
+    assert limits[0].rate == Rate.parse("20/s") and limits[1] is plan.limits[1]
+    assert plan.resolve(("a1",), {})[2][0].rate == Rate.parse("2/s")
+    # what a rate function returns is checked per call, naming the value
+    with pytest.raises(InvalidLimit, match="tier_rate returned '20/fortnight'"):
+        plan.resolve(("a1", "broken"), {})
+    with pytest.raises(InvalidLimit, match="tier_rate returned 20"):
+        plan.resolve(("a1", "odd"), {})
+    with pytest.raises(InvalidLimit, match="tier_rate raised KeyError"):
+        plan.resolve(("a1", "gold"), {})
+    # outside a task, a rate function has no call to give it its arguments
+    with pytest.raises(InvalidLimit, match="a function of a task call's arguments"):
+        Limiter.from_url("redis://127.0.0.1:1/0").acquire("k", Limit(tier_rate))
 
 
 def test_a_key_template_naming_an_argument_no_call_can_have_fails_when_declared(
@@ -262,7 +296,7 @@ def test_a_key_template_may_name_a_keyword_of_a_kwargs_task(app: Celery) -> None
     app.finalize()
     plan = plan_for(job)
     assert plan is not None
-    assert plan.resolve((7,), {"b": 1}) == (("kw:1:7",), (1,))
+    assert plan.resolve((7,), {"b": 1})[:2] == (("kw:1:7",), (1,))
     # a call that lacks it can only be told per call
     with pytest.raises(InvalidLimit, match="'b'"):
         plan.resolve((7,), {"c": 1})
@@ -316,3 +350,35 @@ def test_options_sent_with_a_message_reach_the_script_past_the_worked_out_first_
     assert reset_after(ratelimit_guard=0.0) == pytest.approx(1.0, abs=1e-6)
     assert reset_after(ratelimit_guard=0.01) == pytest.approx(1.01, abs=1e-6)
     assert reset_after() == pytest.approx(1.03, abs=1e-6)
+
+
+def test_an_aligned_limit_reaches_the_task_through_each_form(app: Celery) -> None:
+    quota = Limit("10000/d", key="yt:{api_key}", cost=100, align="America/Los_Angeles")
+
+    @app.task(name="yt.base", base=RateLimitedTask, ratelimit=[Limit("5/s"), quota], shared=False)
+    def by_base(api_key: str) -> None: ...
+
+    @ratelimit("10000/d", key="yt:{api_key}", cost=100, align="America/Los_Angeles")
+    @app.task(name="yt.decorated", shared=False)
+    def by_decorator(api_key: str) -> None: ...
+
+    app.conf.ratelimit_rules = {"yt.ruled": quota}
+    install(app)
+
+    @app.task(name="yt.ruled", shared=False)
+    def by_rules(api_key: str) -> None: ...
+
+    app.finalize()
+    for task, limits in (
+        (by_base, (Limit("5/s"), quota)),
+        (by_decorator, (quota,)),
+        (by_rules, (quota,)),
+    ):
+        plan = plan_for(app.tasks[task.name])
+        assert plan is not None and plan.limits == limits, task.name
+        keys, costs, resolved = plan.resolve(("k1",), {})
+        assert keys[-1] == "yt:k1" and costs[-1] == 100 and resolved[-1].align == quota.align
+    with pytest.raises(InvalidLimit, match="10/s"):
+        ratelimit("10/s", align="UTC")
+    with pytest.raises(TypeError, match="align"):
+        ratelimit(quota, align="UTC")

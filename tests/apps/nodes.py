@@ -26,12 +26,16 @@ from celery_ratelimit import (
     UpstreamRateLimited,
     install,
     ratelimit,
+    settle,
 )
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
 PREFIX = os.environ.get("CRL_PREFIX", "crl")
 RATE = os.environ.get("CRL_RATE", "10/s")
+#: Units per window of the "llm" key; a call is counted at 10 (an estimate) and
+#: settled at the units it used.
+LLM_RATE = "30/2s"
 
 app = Celery("nodes", broker=BROKER, backend=os.environ.get("CRL_BACKEND") or None)
 app.conf.update(
@@ -45,6 +49,10 @@ app.conf.update(
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
         "tests.apps.nodes.shared_*": Limit(RATE, key="shared"),
         "tests.apps.nodes.slotted_by_rules": Concurrency(2, key="slots"),
+        "tests.apps.nodes.llm_by_rules": Limit(LLM_RATE, key="llm", cost=10),
+        "tests.apps.nodes.tiered_by_rules": Limit(
+            lambda tier, i: tier_rate(tier, i), key="tier:{tier}"
+        ),
     },
 )
 _client: redis.Redis | None = None
@@ -127,6 +135,60 @@ def via_rules(self: Any, i: int) -> int:
 def shared_decorated(self: Any, i: int) -> int:
     record(self, i=i)
     return i
+
+
+def tier_rate(tier: str, i: int) -> str:
+    """A budget per tier (a rate function of the call's arguments)."""
+    return "2/s" if tier == "free" else "6/s"
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(tier_rate, key="tier:{tier}"), bind=True)
+def tiered(self: Any, tier: str, i: int) -> int:
+    record(self, i=i, tier=tier)
+    return i
+
+
+@ratelimit(tier_rate, key="tier:{tier}")
+@app.task(bind=True)
+def tiered_by_decorator(self: Any, tier: str, i: int) -> int:
+    record(self, i=i, tier=tier)
+    return i
+
+
+@app.task(bind=True)
+def tiered_by_rules(self: Any, tier: str, i: int) -> int:
+    record(self, i=i, tier=tier)
+    return i
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=[Limit("20/s", key="cal"), Limit("4/m", key="cal", align="UTC")],
+    bind=True,
+)
+def aligned(self: Any, i: int) -> int:
+    """At most 4 starts in each minute of the UTC clock (and 20 in any second)."""
+    return record(self, i=i)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(LLM_RATE, key="llm", cost=10), bind=True)
+def llm(self: Any, i: int, used: int) -> int:
+    """Counted at 10 units before the body, settled at ``used`` once it is known."""
+    settled = settle(used)
+    return record(self, i=i, used=used, settled=bool(settled and settled.allowed))
+
+
+@ratelimit(LLM_RATE, key="llm", cost=10)
+@app.task(bind=True)
+def llm_by_decorator(self: Any, i: int, used: int) -> int:
+    settled = settle(used)
+    return record(self, i=i, used=used, settled=bool(settled and settled.allowed))
+
+
+@app.task(bind=True)
+def llm_by_rules(self: Any, i: int, used: int) -> int:
+    settled = settle(used)
+    return record(self, i=i, used=used, settled=bool(settled and settled.allowed))
 
 
 @app.task(bind=True)

@@ -1,0 +1,214 @@
+"""AsyncLimiter: the :class:`Limiter`'s methods as coroutines, on ``redis.asyncio``.
+
+The same scripts, keys and :class:`Decision` (``_base`` works the calls out): a producer
+(FastAPI, aiohttp) can check the budget a worker will use before it enqueues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from ._base import (
+    ACQUIRE,
+    CONFIRM,
+    DEFAULT_PREFIX,
+    PEEK,
+    RELEASE,
+    RESERVE,
+    LimiterBase,
+    ScriptCall,
+)
+from ._decision import Decision, token_bytes_of
+from ._exceptions import InvalidLimit, RateLimitError
+from ._failures import check_versions, translate
+from ._layout import companions, key_glob, keys_among
+from ._limit import LimitSpec, to_limits
+from ._limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
+from ._rate import Rate
+from ._scripts import DEFAULT_HORIZON, Shape, shape
+
+
+class AsyncLimiter(LimiterBase):
+    """Shared rate limits kept in Redis, for asyncio code: every method of
+    :class:`Limiter` that talks to Redis, as a coroutine.
+
+    Args:
+        client: a ``redis.asyncio.Redis`` (or its ``RedisCluster``) client.
+        prefix: first part of every key, as the workers' (``ratelimit`` by default).
+
+    Example::
+
+        limiter = AsyncLimiter.from_url("redis://localhost:6379/0")
+        d = await limiter.acquire("api:acme", "100/m")
+        if not d.allowed:
+            raise HTTPException(429, headers={"Retry-After": str(math.ceil(d.retry_after))})
+    """
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> AsyncLimiter:
+        """A limiter on a new ``redis.asyncio`` client for a ``redis://``, ``rediss://``
+        or ``unix://`` URL (for Sentinel or Cluster, pass a client of your own). The
+        timeouts default to :class:`Limiter`'s; ``options`` go to the client.
+
+        Raises:
+            InvalidLimit: another scheme, naming it.
+        """
+        scheme = url.partition("://")[0].lower()
+        if scheme not in ("redis", "rediss", "unix"):
+            raise InvalidLimit(
+                f"AsyncLimiter.from_url takes redis://, rediss:// or unix:// URLs, got "
+                f"{scheme!r}: for Sentinel or Cluster give AsyncLimiter a redis.asyncio client"
+            )
+        options.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        options.setdefault("socket_connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+        return cls(redis.asyncio.Redis.from_url(url, **options), prefix=prefix)
+
+    async def acquire(
+        self,
+        key: str,
+        limits: LimitSpec,
+        cost: int = 1,
+        *,
+        reserve: bool = False,
+        horizon: float = DEFAULT_HORIZON,
+    ) -> Decision:
+        """As :meth:`Limiter.acquire`."""
+        mode = RESERVE if reserve else ACQUIRE
+        return await self._call(key, shape(to_limits(limits), cost, mode, horizon))
+
+    async def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
+        """As :meth:`Limiter.peek`: what ``acquire`` would answer, counting nothing."""
+        return await self._call(key, shape(to_limits(limits), cost, PEEK))
+
+    async def confirm(
+        self,
+        token: str,
+        key: str,
+        limits: LimitSpec,
+        cost: int = 1,
+        *,
+        horizon: float = DEFAULT_HORIZON,
+    ) -> Decision:
+        """As :meth:`Limiter.confirm`: use the reservation ``token``."""
+        token_bytes_of(token)
+        call = shape(to_limits(limits), cost, CONFIRM, horizon)
+        return await self._call(key, call, token=token)
+
+    async def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
+        """As :meth:`Limiter.release`: give back a reservation, or concurrency slots."""
+        token_bytes_of(token)
+        await self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
+
+    async def settle(
+        self,
+        token: str,
+        key: str | tuple[str, ...],
+        limits: LimitSpec,
+        cost: int | Sequence[int],
+        *,
+        was: int | Sequence[int] = 1,
+    ) -> Decision:
+        """As :meth:`Limiter.settle`: replace the call's counted cost with its real one."""
+        call = self._settle_call(token, key, limits, cost, was)
+        decision = self._decision(call, await self._script_reply(call))
+        assert decision is not None  # a settle never answers SPENT
+        return decision
+
+    async def renew(
+        self,
+        token: str,
+        key: str | tuple[str, ...],
+        limits: LimitSpec,
+        *,
+        lease: float | None = None,
+    ) -> bool:
+        """As :meth:`Limiter.renew`: extend the leases of ``token``'s slots."""
+        call = self._renew_call(token, key, limits, lease)
+        return call is None or (await self._script_reply(call))[0] == 1
+
+    async def pause(self, key: str, seconds: float | str | Any) -> float:
+        """As :meth:`Limiter.pause`: grant nothing on ``key`` for ``seconds``."""
+        call = self._pause_call(key, seconds)
+        return 0.0 if call is None else float((await self._script_reply(call))[2]) / 1_000_000
+
+    async def override(
+        self, key: str, rate: str | Rate | None, *, ttl: float | None = None
+    ) -> None:
+        """As :meth:`Limiter.override`: use ``rate`` for ``key`` on every worker."""
+        await self._script_reply(self._override_call(key, rate, ttl))
+
+    async def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
+        """As :meth:`Limiter.reset`: forget what was counted for ``key``."""
+        try:
+            if limits is None:
+                found = [raw async for raw in self.client.scan_iter(key_glob(self.prefix, key))]
+                keys = keys_among(found, self.prefix, key)
+            else:
+                keys = self.keys_for(key, limits)
+            deleted = []
+            for k in keys:
+                await self.client.delete(*companions(k))
+                if await self.client.delete(k):
+                    deleted.append(k)
+            return deleted
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a reset") from exc
+
+    async def check(self) -> None:
+        """As :meth:`Limiter.check`: Redis reachable, recent enough, scripts loaded.
+
+        Raises:
+            LimiterMisconfigured: a cause that retrying cannot change, and its fix.
+            LimiterUnavailable: Redis could not be reached (for now).
+        """
+        try:
+            try:
+                info = await self.client.info("server")
+            except redis.ResponseError:
+                info = {}  # a least-privilege user: the scripts' errors tell a server too old
+            check_versions(info)
+            for script in self._scripts.values():
+                await self.client.script_load(script.script)
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "the limiter's first call") from exc
+        self._checked = True
+
+    def translate(self, exc: Exception, doing: str) -> RateLimitError:
+        """The library's exception for a redis-py one (see ``_failures``)."""
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        return translate(exc, doing, kwargs.get("username"), self.prefix)
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        close = getattr(self.client, "aclose", None) or self.client.close  # redis-py < 5.0.1
+        await close()
+
+    async def _call(
+        self,
+        key: str | tuple[str, ...],
+        shape: Shape,
+        *,
+        token: str | None = None,
+        redis_keys: list[str] | None = None,
+    ) -> Decision:
+        call = self._script_call(key, shape, token, redis_keys)
+        decision = self._decision(call, await self._script_reply(call))
+        if decision is None:
+            # the reservation was already started on: compete as a new call
+            return await self._call(key, shape.with_mode(RESERVE), redis_keys=redis_keys)
+        return decision
+
+    async def _script_reply(self, call: ScriptCall) -> Any:
+        if not self._checked:
+            await self.check()
+        try:
+            return await self._scripts[call.script](keys=call.keys, args=[call.token, call.numbers])
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a rate-limit decision") from exc
+
+
+__all__: Sequence[str] = ["AsyncLimiter"]
