@@ -98,9 +98,9 @@ class ERP:
                 self.during_pause += 1
             if self.requests % ERP_BUSY_EVERY == 0:
                 self.refused += 1
-                # requests sent before the worker that got this answer paused the key
-                # are on their way: they are not counted for the first 100 ms
-                self.busy_from, self.busy_until = time.time() + 0.1, time.time() + 1
+                # requests granted before the worker that got this answer paused the
+                # key are on their way: they are not counted for the first 300 ms
+                self.busy_from, self.busy_until = time.time() + 0.3, time.time() + 1
                 return 429, {"Retry-After": "1"}, "busy"
             self.open[tenant] = self.open.get(tenant, 0) + 1
             self.most_open = max(self.most_open, self.open[tenant])

@@ -33,7 +33,7 @@ from tests.log_reader import max_in_window
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.faults"
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0
 
 
 @dataclass

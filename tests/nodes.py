@@ -38,7 +38,7 @@ from tests.redis_server import RedisServer
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.nodes"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0
 
 
 def unique_prefix(name: str) -> str:

@@ -221,7 +221,7 @@ def faked_redis(start: str) -> Iterator[redis.Redis]:
 @needs_faketime
 def test_reservations_fill_the_next_windows_and_a_late_start_is_counted_again() -> None:
     utc = ZoneInfo("UTC")
-    with faked_redis("2026-11-25 09:59:30") as client:
+    with faked_redis("2026-11-25 09:59:05") as client:  # 5.5 s before the minute ends
         limiter = Limiter(client)
         minute = Limit("2/m", align="UTC")
         got = [limiter.acquire("k", minute, reserve=True, horizon=600) for _ in range(6)]
@@ -288,5 +288,6 @@ def test_retry_after_runs_to_the_next_los_angeles_midnight_across_dst(
         allowed, again, retry_after, at = json.loads(out.stdout)
         assert allowed and not again
         midnight = next_midnight(us(at))
-        assert hours(us(at), midnight) == pytest.approx(hours_left, abs=0.01)
+        # the server started on the hour; its clock runs ten times fast while the client starts
+        assert hours_left - 0.2 < hours(us(at), midnight) <= hours_left
         assert retry_after == pytest.approx((midnight - us(at)) / 1e6, abs=0.001)

@@ -68,7 +68,7 @@ def test_offset_from_real_decisions_on_this_machine_is_a_few_ms(redis_url: str) 
         decision = limiter.acquire("clock", limits)
         _clock.observe(decision, sent, time.time())
     # Redis runs on this machine's clock: only the round trip separates them
-    assert abs(eta_offset()) < 0.005
+    assert abs(eta_offset()) < 0.02
     limiter.reset("clock", limits)
 
 

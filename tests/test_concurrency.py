@@ -108,11 +108,11 @@ def test_a_lapsed_lease_gives_the_slot_back(limiter: Limiter) -> None:
 
 
 def test_a_renewed_lease_keeps_the_slot(limiter: Limiter) -> None:
-    one = [Concurrency(1, lease=0.4)]
+    one = [Concurrency(1, lease=1)]
     held = limiter.acquire("k", one)
     assert held.token
     for _ in range(4):
-        time.sleep(0.2)
+        time.sleep(0.3)
         assert limiter.renew(held.token, "k", one)
     assert not limiter.acquire("k", one).allowed
 
@@ -223,10 +223,10 @@ def test_a_waiter_that_never_comes_gives_its_turn_up(limiter: Limiter) -> None:
 
 def test_a_paused_key_grants_nothing_until_the_pause_ends(limiter: Limiter) -> None:
     assert limiter.acquire("k", "10/s").allowed
-    assert limiter.pause("k", 0.5) == pytest.approx(0.5, abs=0.01)
+    assert limiter.pause("k", 1) == pytest.approx(1, abs=0.01)
     denied = limiter.acquire("k", "10/s")
     assert not denied.allowed and denied.paused and denied.limit is None
-    assert 0.4 < denied.retry_after <= 0.5
+    assert 0 < denied.retry_after <= 1
     peeked = limiter.peek("k", [Limit("10/s"), Concurrency(2)])
     assert not peeked.allowed and peeked.paused
     reserved = limiter.acquire("k", "10/s", reserve=True)
@@ -234,13 +234,13 @@ def test_a_paused_key_grants_nothing_until_the_pause_ends(limiter: Limiter) -> N
     assert reserved.at >= denied.at + denied.retry_after - 0.001
     # other keys are not paused
     assert limiter.acquire("other", "10/s").allowed
-    time.sleep(0.5)
+    time.sleep(1)
     assert limiter.acquire("k", "10/s").allowed
 
 
 def test_a_longer_pause_already_in_place_stays(limiter: Limiter) -> None:
     assert limiter.pause("k", 5) == pytest.approx(5, abs=0.01)
-    assert limiter.pause("k", 1) == pytest.approx(5, abs=0.05)
+    assert 4 < limiter.pause("k", 1) <= 5
     assert limiter.acquire("k", [Concurrency(1)]).retry_after > 4
 
 

@@ -127,7 +127,7 @@ def test_a_killed_workers_slot_comes_back_after_its_lease(
     # after the body's start), and not long after
     assert started >= run["t"] + 3_000_000
     assert started >= killed
-    assert started <= killed + 3_000_000 + 1_000_000 + 5_000_000
+    assert started <= killed + 3_000_000 + 15_000_000  # and it was not left waiting
 
 
 def test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it(

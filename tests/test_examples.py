@@ -108,8 +108,8 @@ def test_existing_project_gets_rules_without_touching_its_tasks(
     )
     email = re.search(r"send_email\s+(\d+) runs, most in any second (\d+)", result.stdout)
     assert billing and email, result.stdout
-    assert int(billing[1]) == 12 and int(billing[2]) == 4  # both tasks, one budget of 4/s
-    assert int(email[1]) == 6 and int(email[2]) == 2
+    assert int(billing[1]) == 12 and 1 <= int(billing[2]) <= 4  # both tasks, one budget of 4/s
+    assert int(email[1]) == 6 and 1 <= int(email[2]) <= 2
     assert "the rules held" in result.stdout
 
 

@@ -32,7 +32,7 @@ from tests.fault_nodes import (
 from tests.nodes import RABBITMQ_URL, percentiles, require_rabbitmq
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(420)]
 
 
 @pytest.fixture

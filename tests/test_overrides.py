@@ -92,12 +92,12 @@ def test_a_cost_above_the_new_limit_runs_alone_in_its_window(limiter: Limiter) -
 
 
 def test_an_override_lapses_after_its_ttl_and_shows_until_then(limiter: Limiter) -> None:
-    limiter.override("k", "1/m", ttl=0.6)
+    limiter.override("k", "1/m", ttl=3)
     (row,) = key_settings(limiter)
     assert (row.key, str(row.override)) == ("k", "1/m")
-    assert row.override_for is not None and 0 < row.override_for <= 0.6
+    assert row.override_for is not None and 0 < row.override_for <= 3
     assert grants(limiter, "k", "5/m", 2) == [True, False]
-    time.sleep(0.7)
+    time.sleep(3.1)
     assert grants(limiter, "k", "5/m", 5) == [True] * 4 + [False]
     assert key_settings(limiter) == []
 
@@ -106,12 +106,12 @@ def test_an_override_and_a_pause_share_the_keys_settings(limiter: Limiter) -> No
     settings = f"{limiter.prefix}:{{k}}:settings"
     limiter.override("k", "1/s")
     assert limiter.client.pttl(settings) == -1  # an override without ttl stays
-    limiter.pause("k", 0.3)
+    limiter.pause("k", 1)
     assert limiter.client.pttl(settings) == -1  # a pause does not cut it short
     limiter.override("k", None)
-    assert 0 < limiter.client.pttl(settings) <= 1300  # what is left is the pause
+    assert 0 < limiter.client.pttl(settings) <= 2000  # what is left is the pause
     assert limiter.acquire("k", "1/s").paused
-    time.sleep(0.35)
+    time.sleep(1.05)
     assert limiter.acquire("k", "1/s").allowed
     limiter.override("k", "2/s", ttl=5)
     assert 5000 < limiter.client.pttl(settings) <= 6000

@@ -22,7 +22,7 @@ from tests.fault_nodes import Fleet, unique_prefix
 from tests.nodes import rabbitmq_reachable
 from tests.redis_server import RedisServer, free_port
 
-pytestmark = [pytest.mark.celery, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 
 #: A task failed by a permanent error ends within this many seconds of being sent.
 FAILS_WITHIN = 10.0
