@@ -33,6 +33,7 @@ from typing import Any
 
 from celery import signals
 from kombu.connection import Connection
+from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ._limiter import REDIS_ERRORS, Limiter
@@ -121,6 +122,8 @@ def move_once(app: Any) -> float:
 
     Raises:
         LimiterUnavailable, LimiterMisconfigured: Redis failed the claim or the drop.
+        kombu.exceptions.OperationalError: the broker is unreachable (the copies of the
+            claim not yet published stay claimed until the claim lapses).
     """
     limiter = limiter_for(app)
     keys = park_keys(app, limiter)
@@ -132,11 +135,17 @@ def move_once(app: Any) -> float:
         raise limiter.translate(exc, "claiming parked tasks") from exc
     now_us, first_us = int(reply[0]), int(reply[1])
     published = []
+    broker_down: OperationalError | None = None
     accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
     for copy_id, value in zip(reply[2::2], reply[3::2], strict=True):
         try:
             _publish(app, value, accept)
-        except Exception as exc:  # claimed again when the claim lapses
+        except OperationalError as exc:
+            # the broker is unreachable: the rest of the claim would fail alike, each
+            # after the publish retries; all of it is claimed again when the claim lapses
+            broker_down = exc
+            break
+        except Exception as exc:  # this copy alone; claimed again when the claim lapses
             logger.error(
                 "ratelimit: could not publish a parked task (%s); trying again in %.0fs",
                 exc,
@@ -149,6 +158,8 @@ def move_once(app: Any) -> float:
             limiter.run_script("park", keys, ["drop", *published])
         except REDIS_ERRORS as exc:
             raise limiter.translate(exc, "dropping published parked tasks") from exc
+    if broker_down is not None:
+        raise broker_down
     if len(reply) - 2 >= 2 * BATCH:
         return 0.0
     if first_us < 0:

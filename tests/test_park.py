@@ -11,6 +11,7 @@ import base64
 import datetime
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ import redis
 from celery import Celery
 
 from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, _park, install
+from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._park import move_once, park, park_calls, park_keys
 from celery_ratelimit._settings import limiter_for, park_after
 
@@ -50,9 +52,9 @@ def app(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Celery]:
         limiter.client.delete(key)
 
 
-def deferred_copy(app: Celery, task_id: str) -> Any:
+def deferred_copy(app: Celery, task_id: str, task: Any = None) -> Any:
     """A deferred copy as ``Check.copy`` makes it: the same task, its headers, an ETA."""
-    task = app.tasks[app.conf.fetch_name]
+    task = task or app.tasks[app.conf.fetch_name]
     return task.signature(
         (7,),
         {"region": "eu"},
@@ -133,6 +135,53 @@ def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses
     move_once(app)
     assert [m["headers"]["id"] for m in queued(app)] == ["t-2"]
     assert waiting(app) == 0
+
+
+def test_a_mover_whose_broker_is_down_keeps_every_copy_and_logs_once(
+    redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker unreachable (a real server, stopped): the mover gives up a claim at its
+    first copy (the others would fail alike, each after the publish retries), keeps every
+    copy parked, logs one WARNING per interval rather than a line per copy, and publishes
+    them all once the broker is back and the claim has lapsed."""
+    monkeypatch.setattr(_park, "LEASE", 3.0)
+    with RedisServer() as broker:
+        app = Celery("parkdown", broker=broker.url, set_as_current=False)
+        app.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix="park-down")
+
+        @app.task(base=RateLimitedTask, ratelimit=Limit("1/s"), name="park-down.fetch")
+        def fetch(x: int, *, region: str) -> int:
+            return x
+
+        limiter = limiter_for(app)
+        move_once(app)  # a mover serves the park
+        for n in range(5):
+            assert park(fetch, deferred_copy(app, f"t-down-{n}", fetch), 1.2)
+        broker.stop()
+        mover = _park.Mover(app)
+        with caplog.at_level(logging.WARNING, logger="celery_ratelimit"):
+            mover.start()
+            deadline = time.monotonic() + 60
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.1)  # the claim of all five fails
+            time.sleep(_park.LEASE)  # ... and, its claim lapsed, again
+            mover.stop()
+            mover.join(timeout=30)
+        lines = [r for r in caplog.records if r.name == "celery_ratelimit"]
+        assert [r.levelname for r in lines] == ["WARNING"]
+        assert "could not publish parked tasks" in lines[0].getMessage()
+        assert limiter.client.zcard(park_keys(app, limiter)[0]) == 5
+        broker.start()
+        time.sleep(_park.LEASE)  # the failed claim lapses
+        try:
+            move_once(app)
+            with broker.client() as client:
+                ids = sorted(json.loads(m)["headers"]["id"] for m in client.lrange("celery", 0, -1))
+            assert ids == [f"t-down-{n}" for n in range(5)]
+            assert limiter.client.zcard(park_keys(app, limiter)[0]) == 0
+        finally:
+            for key in limiter.client.scan_iter("park-down:*"):
+                limiter.client.delete(key)
 
 
 def test_a_park_no_mover_serves_takes_no_copy(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
