@@ -141,8 +141,11 @@ class Bench:
             if server is not None and server.proc is not None:
                 groups[role] = [psutil.Process(server.proc.pid)]
         if self.broker_redis is None:  # RabbitMQ, if it runs on this machine
+            # the server's VM only: rabbitmqctl and other tools run a beam.smp for moments
             groups["broker"] = [
-                p for p in psutil.process_iter(["name"]) if p.info["name"] == "beam.smp"
+                p
+                for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "beam.smp" and _is_rabbitmq_server(p.info["cmdline"] or [])
             ]
         return groups
 
@@ -336,3 +339,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _is_rabbitmq_server(cmdline: list[str]) -> bool:
+    """Is this Erlang VM's command line the RabbitMQ server's (``-s rabbit boot``)?"""
+    return any(cmdline[i : i + 3] == ["-s", "rabbit", "boot"] for i in range(len(cmdline)))
