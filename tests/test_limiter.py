@@ -282,7 +282,10 @@ def test_counter_overshoot_is_bounded_and_the_log_never_overshoots(
     )
     assert worst["log"] <= limit
     assert worst["counter"] <= 2 * limit  # the estimate's documented worst case
-    assert len(grants["counter"]) >= 0.8 * len(grants["log"])
+    # the counter's estimate never exceeds the calls made so far, so on a new key it
+    # grants the first `limit` calls as the log does (how many more it grants than the
+    # log moves with the machine's pace: the benchmark's business, not a test's)
+    assert len(grants["counter"]) >= min(limit, len(grants["log"]))
 
 
 def test_counter_allows_the_limit_then_denies_with_its_retry_after(limiter: Limiter) -> None:
