@@ -8,9 +8,11 @@ at a given instant (a DST day, a few seconds before a minute ends) run under lib
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -195,11 +197,13 @@ def faked_redis(start: str) -> Iterator[redis.Redis]:
     binary = faketime_redis_binary()
     assert FAKETIME
     port, workdir = free_port(), tempfile.mkdtemp(prefix="crl-faked-")
+    # faketime runs the server as its child: a session of their own, so that both stop
     proc = subprocess.Popen(
-        [FAKETIME, "-f", f"@{start} x10", binary, "--port", str(port), "--save", "",
-         "--appendonly", "no", "--dir", workdir],
+        [FAKETIME, "-f", f"@{start} x10", binary, "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", workdir],
         env={**os.environ, "TZ": "UTC"},
         stdout=subprocess.DEVNULL,
+        start_new_session=True,
     )  # fmt: skip
     client = redis.Redis(port=port, socket_timeout=10)
     try:
@@ -213,8 +217,13 @@ def faked_redis(start: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
-        proc.terminate()
-        proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the server too, if it lingers
+                os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
