@@ -322,6 +322,11 @@ def run(broker: str = "redis", rate: str = "20/s", backlog: int = 400, overhead:
         bench.close()
 
 
+def _is_rabbitmq_server(cmdline: list[str]) -> bool:
+    """Is this Erlang VM's command line the RabbitMQ server's (``-s rabbit boot``)?"""
+    return any(cmdline[i : i + 3] == ["-s", "rabbit", "boot"] for i in range(len(cmdline)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis")
@@ -340,7 +345,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def _is_rabbitmq_server(cmdline: list[str]) -> bool:
-    """Is this Erlang VM's command line the RabbitMQ server's (``-s rabbit boot``)?"""
-    return any(cmdline[i : i + 3] == ["-s", "rabbit", "boot"] for i in range(len(cmdline)))
