@@ -344,4 +344,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
