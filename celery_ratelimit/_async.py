@@ -12,24 +12,15 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from ._base import (
-    ACQUIRE,
-    CONFIRM,
-    DEFAULT_PREFIX,
-    PEEK,
-    RELEASE,
-    RESERVE,
-    LimiterBase,
-    ScriptCall,
-)
-from ._decision import Decision, token_bytes_of
+from ._base import DEFAULT_PREFIX, LimiterBase, ScriptCall
+from ._decision import Decision
 from ._exceptions import InvalidLimit, RateLimitError
 from ._failures import check_versions, translate
 from ._layout import companions, key_glob, keys_among
 from ._limit import LimitSpec, to_limits
 from ._limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from ._rate import Rate
-from ._scripts import DEFAULT_HORIZON, Shape, shape
+from ._scripts import DEFAULT_HORIZON, shape
 
 
 class AsyncLimiter(LimiterBase):
@@ -69,54 +60,73 @@ class AsyncLimiter(LimiterBase):
 
     async def acquire(
         self,
-        key: str,
+        key: str | Sequence[str],
         limits: LimitSpec,
-        cost: int = 1,
+        cost: int | Sequence[int] = 1,
         *,
         reserve: bool = False,
         horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
     ) -> Decision:
         """As :meth:`Limiter.acquire`."""
-        mode = RESERVE if reserve else ACQUIRE
-        return await self._call(key, shape(to_limits(limits), cost, mode, horizon))
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        return await self._decide(self._acquire_call(key, call, "reserve" if reserve else "now"))
 
-    async def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
+    async def peek(
+        self,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        guard: float = 0.0,
+    ) -> Decision:
         """As :meth:`Limiter.peek`: what ``acquire`` would answer, counting nothing."""
-        return await self._call(key, shape(to_limits(limits), cost, PEEK))
+        return await self._decide(
+            self._acquire_call(key, shape(to_limits(limits), cost, guard=guard), "peek")
+        )
 
     async def confirm(
         self,
         token: str,
-        key: str,
+        key: str | Sequence[str],
         limits: LimitSpec,
-        cost: int = 1,
+        cost: int | Sequence[int] = 1,
         *,
         horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
     ) -> Decision:
-        """As :meth:`Limiter.confirm`: use the reservation ``token``."""
-        token_bytes_of(token)
-        call = shape(to_limits(limits), cost, CONFIRM, horizon)
-        return await self._call(key, call, token=token)
+        """As :meth:`Limiter.confirm`: start the call holding the reservation ``token``."""
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        started = self._start_call(token, key, call, reserved=True)
+        decision = self._decision(started, await self._script_reply(started))
+        if decision is None:
+            # the reservation was already started on: compete as a new call
+            return await self._decide(self._acquire_call(key, call, "reserve"))
+        return decision
 
-    async def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
+    async def release(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+    ) -> None:
         """As :meth:`Limiter.release`: give back a reservation, or concurrency slots."""
-        token_bytes_of(token)
-        await self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
+        await self._script_reply(self._release_call(token, key, limits, cost))
 
     async def settle(
         self,
         token: str,
-        key: str | tuple[str, ...],
+        key: str | Sequence[str],
         limits: LimitSpec,
         cost: int | Sequence[int],
-        *,
-        was: int | Sequence[int] = 1,
     ) -> Decision:
         """As :meth:`Limiter.settle`: replace the call's counted cost with its real one."""
-        call = self._settle_call(token, key, limits, cost, was)
-        decision = self._decision(call, await self._script_reply(call))
-        assert decision is not None  # a settle never answers SPENT
-        return decision
+        return await self._decide(self._settle_call(token, key, limits, cost))
 
     async def renew(
         self,
@@ -128,12 +138,12 @@ class AsyncLimiter(LimiterBase):
     ) -> bool:
         """As :meth:`Limiter.renew`: extend the leases of ``token``'s slots."""
         call = self._renew_call(token, key, limits, lease)
-        return call is None or (await self._script_reply(call))[0] == 1
+        return call is None or await self._script_reply(call) == 1
 
     async def pause(self, key: str, seconds: float | str | Any) -> float:
         """As :meth:`Limiter.pause`: grant nothing on ``key`` for ``seconds``."""
         call = self._pause_call(key, seconds)
-        return 0.0 if call is None else float((await self._script_reply(call))[2]) / 1_000_000
+        return 0.0 if call is None else float(await self._script_reply(call)) / 1_000_000
 
     async def override(
         self, key: str, rate: str | Rate | None, *, ttl: float | None = None
@@ -187,26 +197,18 @@ class AsyncLimiter(LimiterBase):
         close = getattr(self.client, "aclose", None) or self.client.close  # redis-py < 5.0.1
         await close()
 
-    async def _call(
-        self,
-        key: str | tuple[str, ...],
-        shape: Shape,
-        *,
-        token: str | None = None,
-        redis_keys: list[str] | None = None,
-    ) -> Decision:
-        call = self._script_call(key, shape, token, redis_keys)
+    async def _decide(self, call: ScriptCall) -> Decision:
+        """As :meth:`Limiter._decide`."""
         decision = self._decision(call, await self._script_reply(call))
-        if decision is None:
-            # the reservation was already started on: compete as a new call
-            return await self._call(key, shape.with_mode(RESERVE), redis_keys=redis_keys)
+        if decision is None:  # only a reservation's start may find it spent
+            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
         return decision
 
     async def _script_reply(self, call: ScriptCall) -> Any:
         if not self._checked:
             await self.check()
         try:
-            return await self._scripts[call.script](keys=call.keys, args=[call.token, call.numbers])
+            return await self._scripts[call.script](keys=call.keys, args=call.args)
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
 

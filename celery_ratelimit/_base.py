@@ -5,46 +5,42 @@ Decision its reply means. :class:`Limiter` (redis-py) and :class:`AsyncLimiter`
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._decision import TOKEN_BYTES, Decision, token_bytes_of
+from ._decision import TOKEN_BYTES, Decision, parse_token, token_of
 from ._exceptions import InvalidLimit
 from ._keys import escape_key
 from ._layout import redis_key, script_keys, settings_key
-from ._limit import Concurrency, Limit, LimitSpec, check_cost, describe, rate_algorithm, to_limits
+from ._limit import Concurrency, Limit, LimitSpec, describe, to_limits
 from ._rate import Rate
-from ._scripts import SETTLE, Shape, override_numbers, pause_numbers, shape, source
+from ._scripts import MAX_HORIZON, NAMES, Shape, shape, source
 from ._upstream import seconds_from
 
-#: Script modes (the first of the packed numbers, ARGV[2]); see the header of
-#: lua/sliding_log.lua (and lua/gate.lua for RENEW, PAUSE and OVERRIDE).
-ACQUIRE, RESERVE, PEEK, CONFIRM, RELEASE, RESTAMP, RENEW, PAUSE, OVERRIDE = range(9)
-#: Reply statuses.
+#: Reply statuses (see ``lua/lib/call.lua``).
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT, SETTLED = range(8)
+
+#: What a decision asks, as the Celery layer's metrics name it.
+ACQUIRE, RESERVE, PEEK, CONFIRM, RESTAMP = "acquire", "reserve", "peek", "confirm", "restamp"
 
 DEFAULT_PREFIX = "ratelimit"
 #: How many call shapes (key, limits, cost, options) a limiter remembers what it sends for.
 KEY_CACHE_SIZE = 4096
-#: The scripts a limiter registers, by the name its calls use.
-SCRIPTS = {
-    "log": "sliding_log",
-    "counter": "sliding_counter",
-    "concurrency": "concurrency",
-    "park": "park",  # see _park
-}
 
 
 class ScriptCall(NamedTuple):
-    """One call of a script: its name (a key of :data:`SCRIPTS`), KEYS, token (ARGV[1]),
-    packed numbers (ARGV[2]) and the call's limits (to read the reply)."""
+    """One call of a script: its name (one of ``_scripts.NAMES``), KEYS and ARGV, and,
+    for a decision, the call's limits and costs (to read the reply)."""
 
     script: str
     keys: list[str]
-    token: bytes
-    numbers: bytes
+    args: list[Any]
     limits: tuple[Any, ...] = ()
+    costs: tuple[int, ...] = ()
+
+    @property
+    def token(self) -> bytes:
+        return bytes(self.args[0])
 
 
 def _per_limit(cost: int | Sequence[int], count: int, name: str) -> tuple[int, ...]:
@@ -58,6 +54,12 @@ def _per_limit(cost: int | Sequence[int], count: int, name: str) -> tuple[int, .
     return tuple(cost)
 
 
+def _counter(limits: tuple[Any, ...]) -> bool:
+    """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
+    first = limits[0]
+    return isinstance(first, Limit) and first.align is None and first.algorithm == "counter"
+
+
 class LimiterBase:
     """The part of a limiter that sends nothing: its client's scripts, key names,
     script calls and what their replies mean."""
@@ -68,14 +70,12 @@ class LimiterBase:
         self.client = client
         self.prefix = prefix
         self._cluster = hasattr(client, "get_nodes")
-        self._scripts = {
-            name: client.register_script(source(file)) for name, file in SCRIPTS.items()
-        }
+        self._scripts = {name: client.register_script(source(name)) for name in NAMES}
         self._checked = False  # Redis checked (version, scripts loaded): see check()
         # the script's keys for (key, shape), worked out and checked once: escaping and
         # formatting are most of a decision's Python, and a process decides for few
         # distinct keys and shapes
-        self._sends: dict[tuple[Any, Shape], tuple[list[str], bytes]] = {}
+        self._sends: dict[tuple[Any, Shape], list[str]] = {}
 
     def keys_for(self, key: str | Sequence[str], limits: LimitSpec) -> list[str]:
         """Redis keys for ``limits``. ``key`` is one code-given key for all limits (a
@@ -112,59 +112,98 @@ class LimiterBase:
             )
         return keys
 
-    def _script_call(
+    def _decision_call(
         self,
-        key: str | tuple[str, ...],
+        script: str,
+        flag: str,
+        key: str | Sequence[str],
         shape: Shape,
         token: str | None = None,
         redis_keys: list[str] | None = None,
     ) -> ScriptCall:
-        """The call of a decision of ``shape`` for ``key``: a code-given key, or a tuple
-        of escaped keys, one per limit (as :meth:`keys_for` takes them); or, when
-        ``redis_keys`` are given (from :meth:`keys_for`, or found by a scan), for them
-        (``key`` is then ``()``). What a shape's cost, guard and hold mean: see
-        ``_scripts.Shape``."""
+        """The call of the decision script ``script`` with ``flag`` (see its header) for
+        ``key``: a code-given key, or escaped keys, one per limit (as :meth:`keys_for`
+        takes them); or, when ``redis_keys`` are given (from :meth:`keys_for`, or found
+        by a scan), for them."""
         if redis_keys is None:
-            every, numbers = self._prepared(key, shape)
+            keys = self._prepared(key, shape)
         else:
-            every, numbers = self._every(redis_keys, shape.limits), shape.numbers
-        if shape.aligned:
-            numbers += shape.calendar()
-        token_bytes = token_bytes_of(token) if token else os.urandom(TOKEN_BYTES)
-        return ScriptCall(rate_algorithm(shape.limits), every, token_bytes, numbers, shape.limits)
+            keys = self._every(redis_keys, shape.limits)
+        token_bytes = os.urandom(TOKEN_BYTES) if token is None else parse_token(token)[0]
+        args: list[Any] = [token_bytes, flag, *shape.arguments()]
+        return ScriptCall(script, keys, args, shape.limits, shape.costs)
 
-    def _renew_call(
-        self, token: str, key: str | tuple[str, ...], limits: LimitSpec, lease: float | None
-    ) -> ScriptCall | None:
-        """The call that renews ``token``'s slots (None: the limits have none)."""
-        token_bytes = token_bytes_of(token)
-        slots = tuple(limit for limit in to_limits(limits) if isinstance(limit, Concurrency))
-        if not slots:
-            return None
-        every, numbers = self._prepared(key, shape(slots, 1, RENEW, lease=lease))
-        return ScriptCall("concurrency", every, token_bytes, numbers)
+    def _acquire_call(
+        self, key: str | Sequence[str], shape: Shape, how: str, redis_keys: list[str] | None = None
+    ) -> ScriptCall:
+        """The call of an acquisition: ``how`` is ``"now"``, ``"reserve"`` or ``"peek"``
+        (the counter reserves nothing: it counts now or denies)."""
+        script = "counter" if _counter(shape.limits) else "acquire"
+        return self._decision_call(script, how, key, shape, redis_keys=redis_keys)
+
+    def _start_call(
+        self, token: str, key: str | Sequence[str], shape: Shape, reserved: bool
+    ) -> ScriptCall:
+        """The call that starts ``token``: a reservation (``reserved``) or this process's
+        own grant read late (see ``lua/start.lua``). The counter has neither: the call
+        is counted now or denied."""
+        parse_token(token)  # a token is required here, and checked
+        if _counter(shape.limits):
+            return self._decision_call("counter", "now", key, shape, token)
+        return self._decision_call(
+            "start", "reserved" if reserved else "granted", key, shape, token
+        )
+
+    def _release_call(
+        self, token: str, key: str | Sequence[str], limits: LimitSpec, cost: int | Sequence[int]
+    ) -> ScriptCall:
+        """The call that gives back what ``token`` holds; its entries are found by the
+        costs the token carries when they are these limits' (else by ``cost``)."""
+        normalized = to_limits(limits)
+        counted = parse_token(token)[1]
+        if counted is not None and len(counted) in (1, len(normalized)):
+            cost = counted if len(counted) > 1 else counted[0]
+        call = shape(normalized, cost)
+        flag = "counter" if _counter(normalized) else "log"
+        return self._decision_call("release", flag, key, call, token)
 
     def _settle_call(
         self,
         token: str,
-        key: str | tuple[str, ...],
+        key: str | Sequence[str],
         limits: LimitSpec,
         cost: int | Sequence[int],
-        was: int | Sequence[int],
     ) -> ScriptCall:
-        """The call that makes ``token``'s counted cost ``cost`` (it was ``was``): one
-        int for every limit, or one per limit."""
+        """The call that makes ``token``'s counted cost ``cost`` (what it was counted at,
+        the token carries): one int for every limit, or one per limit."""
         normalized = to_limits(limits)
-        olds = _per_limit(was, len(normalized), "was")
-        for old in olds:
-            check_cost(old, "was")
-        call = self._script_call(
-            key, shape(normalized, _per_limit(cost, len(normalized), "cost"), SETTLE), token
-        )
-        counted = [
-            old for old, limit in zip(olds, normalized, strict=True) if isinstance(limit, Limit)
+        counted = parse_token(token)[1] or (1,) * len(normalized)
+        if len(counted) == 1:
+            counted *= len(normalized)
+        if len(counted) != len(normalized):
+            raise InvalidLimit(
+                f"token {token!r} was counted for {len(counted)} limits, not the "
+                f"{len(normalized)} of {describe(normalized)}"
+            )
+        real = shape(normalized, _per_limit(cost, len(normalized), "cost"), settling=True)
+        flag = "counter" if _counter(normalized) else "log"
+        call = self._decision_call("settle", flag, key, real, token)
+        was = [
+            old for old, limit in zip(counted, normalized, strict=True) if isinstance(limit, Limit)
         ]
-        return call._replace(numbers=call.numbers + struct.pack(f"<{len(counted)}d", *counted))
+        return call._replace(args=call.args + was)
+
+    def _renew_call(
+        self, token: str, key: str | Sequence[str], limits: LimitSpec, lease: float | None
+    ) -> ScriptCall | None:
+        """The call that renews ``token``'s slots (None: the limits have none)."""
+        token_bytes = parse_token(token)[0]
+        slots = tuple(limit for limit in to_limits(limits) if isinstance(limit, Concurrency))
+        if not slots:
+            return None
+        call = shape(slots, 1, lease=lease)
+        keys = self._prepared(key, call)[: 3 * len(slots)]  # not the settings hashes
+        return ScriptCall("renew", keys, [token_bytes, *call.leases[1::2]])
 
     def _pause_call(self, key: str, seconds: float | str | Any) -> ScriptCall | None:
         """The call that pauses ``key`` (None: no time to pause for)."""
@@ -176,19 +215,33 @@ class LimiterBase:
         keys = sorted({settings_key(self.prefix, k) for k in escaped})
         if seconds <= 0:
             return None
-        numbers = pause_numbers(min(seconds, 366 * 86_400.0), len(keys))
-        return ScriptCall("concurrency", keys, os.urandom(TOKEN_BYTES), numbers)
+        return ScriptCall("pause", keys, [int(min(seconds, MAX_HORIZON) * 1_000_000)])
 
     def _override_call(self, key: str, rate: str | Rate | None, ttl: float | None) -> ScriptCall:
+        """The call that sets (or, ``rate`` None, removes) ``key``'s rate override.
+
+        Raises:
+            InvalidRate, InvalidLimit, TypeError: a bad key, rate or ``ttl``, naming it.
+        """
         if not isinstance(key, str) or not key:
             raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
-        numbers = override_numbers(None if rate is None else Rate.parse(rate), ttl)
+        ttl_us = 0
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+                raise TypeError(f"ttl must be a number of seconds or None, got {ttl!r}")
+            if not 0 < ttl <= MAX_HORIZON:
+                raise InvalidLimit(
+                    f"ttl must be more than 0 and at most {MAX_HORIZON:g} seconds, got {ttl!r}"
+                )
+            ttl_us = max(int(ttl * 1_000_000), 1)
+        parsed = None if rate is None else Rate.parse(rate)
+        limit, window_us = (parsed.limit, parsed.window_us) if parsed is not None else (0, 0)
         keys = [settings_key(self.prefix, escape_key(key))]
-        return ScriptCall("concurrency", keys, os.urandom(TOKEN_BYTES), numbers)
+        return ScriptCall("override", keys, [limit, window_us, ttl_us])
 
-    def _prepared(self, key: str | tuple[str, ...], shape: Shape) -> tuple[list[str], bytes]:
-        """The script's keys and packed numbers for ``key`` under ``shape``, worked out
-        and checked on their first call and remembered for the last few thousand."""
+    def _prepared(self, key: str | Sequence[str], shape: Shape) -> list[str]:
+        """The script's keys for ``key`` under ``shape``, worked out and checked (with the
+        shape's arguments) on their first call and remembered for the last few thousand."""
         remembered = (key, shape) if shape.cacheable else None
         if remembered is not None:
             try:
@@ -197,12 +250,13 @@ class LimiterBase:
                 pass
             except TypeError:  # an unhashable key
                 remembered = None
-        sends = self._every(self.keys_for(key, shape.limits), shape.limits), shape.numbers
+        shape.args  # noqa: B018 (checks the costs and horizon)
+        keys = self._every(self.keys_for(key, shape.limits), shape.limits)
         if remembered is not None:
             if len(self._sends) >= KEY_CACHE_SIZE:
                 self._sends.clear()
-            self._sends[remembered] = sends
-        return sends
+            self._sends[remembered] = keys
+        return keys
 
     def _every(self, keys: list[str], limits: tuple[Any, ...]) -> list[str]:
         """The script's KEYS for the limits' ``keys`` (see ``_layout.script_keys``).
@@ -220,20 +274,10 @@ class LimiterBase:
     def _decision(self, call: ScriptCall, reply: Any) -> Decision | None:
         """The Decision a script's ``reply`` to ``call`` means; None if the reservation
         its token names was already started on (``SPENT``)."""
-        limits, token_bytes = call.limits, call.token
-        if len(reply) == 3:  # allowed now by its one limit: the script's short reply
-            remaining, reset_us, at_us = reply
-            return Decision(
-                allowed=True,
-                remaining=remaining,
-                retry_after=0.0,
-                reset_after=reset_us / 1_000_000,
-                token=token_bytes.hex(),
-                at=at_us / 1_000_000,
-            )
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
             return None
+        limits = call.limits
         reserved = status in (RESERVED, NOT_YET_DUE)
         allowed = status in (ALLOWED, STARTS_AT, SETTLED)
         paused = denied_by == len(limits) + 1
@@ -244,7 +288,7 @@ class LimiterBase:
             reset_after=reset_us / 1_000_000,
             limit=limits[denied_by - 1] if denied_by and not paused else None,
             reserved=reserved,
-            token=token_bytes.hex() if reserved or allowed else None,
+            token=token_of(call.token, call.costs) if reserved or allowed else None,
             at=at_us / 1_000_000,
             paused=paused,
         )

@@ -9,7 +9,6 @@ zone's: every 3,600 and 60 seconds of real time, in step with its UTC offset.
 
 from __future__ import annotations
 
-import struct
 import time
 from datetime import date, datetime, timedelta, timezone
 from functools import lru_cache
@@ -89,20 +88,20 @@ def next_start(start_us: int, window_us: int, zone: ZoneInfo) -> int:
     return following if following > start_us else start_us + window_us
 
 
-def _boundaries(start_us: int, window_us: int, zone: ZoneInfo) -> bytes:
+def _boundaries(start_us: int, window_us: int, zone: ZoneInfo) -> tuple[int, ...]:
     first = window_start(start_us - 1, window_us, zone)
     every = [first, start_us]
     while len(every) < BOUNDARIES:
         every.append(next_start(every[-1], window_us, zone))
-    return struct.pack(f"<{BOUNDARIES}d", *every)
+    return tuple(every)
 
 
-#: (window µs, zone) -> (start, end, packed boundaries) of the window last asked for.
-_CURRENT: dict[tuple[int, ZoneInfo], tuple[int, int, bytes]] = {}
+#: (window µs, zone) -> (start, end, boundaries) of the window last asked for.
+_CURRENT: dict[tuple[int, ZoneInfo], tuple[int, int, tuple[int, ...]]] = {}
 
 
-def boundaries(window_us: int, zone: ZoneInfo, now_us: int | None = None) -> bytes:
-    """The packed boundaries sent for an aligned limit: the start of the window before
+def boundaries(window_us: int, zone: ZoneInfo, now_us: int | None = None) -> tuple[int, ...]:
+    """The boundaries (µs) sent for an aligned limit: the start of the window before
     the one holding ``now_us`` (default: this machine's clock), of that one, and of the
     four after it. Worked out once per window (a decision asks about 1 us)."""
     if now_us is None:

@@ -21,7 +21,7 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
-from ._base import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP
+from ._base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
@@ -30,7 +30,6 @@ from ._limiter import Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
-from ._scripts import shape
 from ._settings import limiter_for, park_after, setting
 from ._slots import Held, hold
 
@@ -102,19 +101,10 @@ class Check:
         reserve = (
             self.setting("ratelimit_reserve") if "ratelimit_reserve" in calls else here.reserve
         )
-        self.first_mode = RESERVE if reserve else ACQUIRE
-        self.mode = self.first_mode
+        self.reserve = bool(reserve)
+        self.mode = RESERVE if reserve else ACQUIRE
         self.slots = tuple(limit for limit in self.limits if isinstance(limit, Concurrency))
         self.lease = _lease(task, self.request, here.concurrency_lease) if self.slots else None
-        self.shape = shape(
-            self.limits,
-            self.costs,
-            self.mode,
-            self.max_countdown,
-            self.guard,
-            MAX_IN_PROCESS_WAIT,
-            self.lease,
-        )
         self.tolerance = start_tolerance(self.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
         self.restamps = 0
@@ -126,12 +116,24 @@ class Check:
         """One limiter call: confirm the reservation ``token``, else acquire (reserving
         a slot when denied if ``reserve`` or ``ratelimit_reserve`` says so); or, with
         ``restamp``, start the grant ``token`` anew (see :meth:`start`)."""
-        first = RESERVE if reserve else self.first_mode
-        self.mode = RESTAMP if restamp else CONFIRM if token else first
+        reserve = reserve or self.reserve
+        self.mode = RESTAMP if restamp else CONFIRM if token else RESERVE if reserve else ACQUIRE
         self.restamps = self.restamps + 1 if restamp else 0
+        limiter, keys, limits, costs = self.limiter, self.keys, self.limits, self.costs
+        options: dict[str, Any] = {
+            "horizon": self.max_countdown,
+            "guard": self.guard,
+            "hold": MAX_IN_PROCESS_WAIT,
+            "lease": self.lease,
+        }
         self.sent = time.monotonic()
         sent = time.time()
-        decision = self.limiter._call(self.keys, self.shape.with_mode(self.mode), token=token)
+        if token is None:
+            decision = limiter.acquire(keys, limits, costs, reserve=reserve, **options)
+        elif restamp:
+            decision = limiter.restamp(token, keys, limits, costs, **options)
+        else:
+            decision = limiter.confirm(token, keys, limits, costs, **options)
         answered = time.time()
         observe(decision, sent, answered)
         if self.metrics is not None:
@@ -168,7 +170,8 @@ class Check:
             # held until the body ends (see _slots)
             lease = min(slot.lease or self.lease for slot in self.slots)
             keys = self.keys[-len(self.slots) :]
-            hold(self.request, Held(self.limiter, keys, self.slots, decision.token, lease))
+            token = decision.token.partition(".")[0]
+            hold(self.request, Held(self.limiter, keys, self.slots, token, lease))
         return 0.0
 
     def report_misconfigured(self, exc: LimiterMisconfigured) -> None:
@@ -349,7 +352,7 @@ class Check:
         wastes budget."""
         if token:
             with contextlib.suppress(LimiterUnavailable, LimiterMisconfigured):
-                self.limiter._call(self.keys, self.shape.with_mode(RELEASE), token=token)
+                self.limiter.release(token, self.keys, self.limits, self.costs)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ class Decision:
         limit: the limit that set ``retry_after`` when denied, else ``None``.
         reserved: a future slot was reserved for this call (``allowed`` is False; run it
             ``retry_after`` seconds from now and confirm with ``token``).
-        token: the call's token (hex): the reservation to confirm when ``reserved``;
-            when ``allowed`` (``"log"`` algorithm), the name of the call's entry in the
-            log. ``None`` when denied.
+        token: the call's token: the reservation to confirm when ``reserved``; when
+            ``allowed``, what names the call to :meth:`Limiter.settle` and
+            :meth:`Limiter.release` (16 hex digits, then the costs when not 1).
+            ``None`` when denied.
         at: the Redis server time of the decision, or of the reserved slot, in seconds
             since the epoch.
         paused: denied (or placed later) because the key is paused
@@ -48,19 +49,46 @@ class Decision:
         return self.allowed
 
 
-def token_bytes_of(token: object) -> bytes:
-    """The bytes of a reservation token as :meth:`Limiter.acquire` wrote it (16 hex
-    digits).
+def token_of(token_bytes: bytes, costs: tuple[int, ...]) -> str:
+    """A call's token as a :class:`Decision` gives it: 16 hex digits, then, when a cost
+    is not 1, ``"." + the costs`` (one, or one per limit, joined by ``","``), so that
+    :meth:`Limiter.settle` knows what the call was counted at."""
+    text = token_bytes.hex()
+    if any(cost != 1 for cost in costs):
+        if len(set(costs)) == 1:
+            return f"{text}.{costs[0]}"
+        return f"{text}.{','.join(str(cost) for cost in costs)}"
+    return text
+
+
+def parse_token(token: object) -> tuple[bytes, tuple[int, ...] | None]:
+    """The bytes of a call's token (see :func:`token_of`) and the costs it carries (None:
+    every cost was 1).
 
     Raises:
-        InvalidLimit: anything else, which no reservation could be found by.
+        InvalidLimit: anything else, which no call could be found by.
     """
-    if isinstance(token, str) and len(token) == 2 * TOKEN_BYTES:
-        try:
-            return bytes.fromhex(token)
-        except ValueError:
-            pass
+    if isinstance(token, str):
+        text, dot, costs = token.partition(".")
+        if len(text) == 2 * TOKEN_BYTES:
+            try:
+                raw = bytes.fromhex(text)
+                counted = tuple(int(one) for one in costs.split(",")) if dot else None
+            except ValueError:
+                pass
+            else:
+                if counted is None or (counted and all(one >= 0 for one in counted)):
+                    return raw, counted
     raise InvalidLimit(
         f"not a reservation token: {token!r} (a token is the Decision.token that "
-        f"acquire(..., reserve=True) returned: {2 * TOKEN_BYTES} hex digits)"
+        f"acquire() returned: {2 * TOKEN_BYTES} hex digits, then the costs if not 1)"
     )
+
+
+def token_bytes_of(token: object) -> bytes:
+    """The bytes of a call's token (see :func:`parse_token`).
+
+    Raises:
+        InvalidLimit: not a token the limiter wrote.
+    """
+    return parse_token(token)[0]

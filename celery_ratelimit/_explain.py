@@ -7,7 +7,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._base import PEEK
 from ._decision import Decision
 from ._exceptions import InvalidLimit
 from ._layout import KeyName, parse_key
@@ -107,10 +106,12 @@ def explain(
             )
             state = key_status(limiter.client, name, now)
             state.limit = limit
-            one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
+            one = limiter.peek((), (limit,), cost, guard=guard_for_app(app), redis_keys=[redis_key])
             state.remaining, state.next_free = one.remaining, one.retry_after
             result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
-        result.decision = limiter.decide(redis_keys, limits, costs, PEEK, guard=guard_for_app(app))
+        result.decision = limiter.peek(
+            (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
+        )
         result.settings = key_settings(limiter)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "explain") from exc

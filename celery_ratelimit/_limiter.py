@@ -7,24 +7,15 @@ from typing import Any
 
 import redis
 
-from ._base import (
-    ACQUIRE,
-    CONFIRM,
-    DEFAULT_PREFIX,
-    PEEK,
-    RELEASE,
-    RESERVE,
-    LimiterBase,
-    ScriptCall,
-)
+from ._base import DEFAULT_PREFIX, LimiterBase, ScriptCall
 from ._client import HeldConnection, client_from_url
-from ._decision import Decision, token_bytes_of
+from ._decision import Decision
 from ._exceptions import LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
 from ._layout import companions, keys_of
-from ._limit import Concurrency, Limit, LimitSpec, to_limits
+from ._limit import LimitSpec, to_limits
 from ._rate import Rate
-from ._scripts import DEFAULT_HORIZON, Shape, shape
+from ._scripts import DEFAULT_HORIZON, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -87,12 +78,15 @@ class Limiter(LimiterBase):
 
     def acquire(
         self,
-        key: str,
+        key: str | Sequence[str],
         limits: LimitSpec,
-        cost: int = 1,
+        cost: int | Sequence[int] = 1,
         *,
         reserve: bool = False,
         horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
     ) -> Decision:
         """Count ``cost`` against every limit for ``key`` now, if all of them allow it.
 
@@ -100,12 +94,18 @@ class Limiter(LimiterBase):
 
         Args:
             key: what shares the budget (``"yt:quota:key1"``); a limit with a plain
-                string ``key`` of its own uses that instead.
+                string ``key`` of its own uses that instead. Or escaped keys, one per
+                limit (as the Celery layer resolves them).
             limits: a rate string, a :class:`Limit` or a list of them.
-            cost: weight of this call, a positive int no greater than any limit.
+            cost: weight of this call, a positive int no greater than any limit (or one
+                per limit).
             reserve: when denied, reserve the earliest future slot at which the cost
                 fits (``Decision.reserved``), unless it lies beyond ``horizon`` seconds
-                (more than 0, at most a year). Only the ``"log"`` algorithm reserves.
+                (more than 0, at most a year). The counter algorithm reserves nothing.
+            guard, hold: seconds; the options the Celery layer runs with
+                (``ratelimit_guard``, and the longest wait it makes in-process): see
+                docs/design.md. ``lease``: seconds a concurrency slot is held when its
+                limit gives no lease.
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
@@ -113,56 +113,102 @@ class Limiter(LimiterBase):
             LimiterMisconfigured: Redis refuses the limiter (a permission, a password,
                 its version): the message names the fix.
         """
-        mode = RESERVE if reserve else ACQUIRE
-        return self._call(key, shape(to_limits(limits), cost, mode, horizon))
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        return self._decide(self._acquire_call(key, call, "reserve" if reserve else "now"))
 
-    def peek(self, key: str, limits: LimitSpec, cost: int = 1) -> Decision:
-        """What :meth:`acquire` would answer now, without counting anything."""
-        return self._call(key, shape(to_limits(limits), cost, PEEK))
+    def peek(
+        self,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        guard: float = 0.0,
+        redis_keys: list[str] | None = None,
+    ) -> Decision:
+        """What :meth:`acquire` would answer now, without counting anything.
+        ``redis_keys``: the limits' Redis keys as found by a scan (``key`` is then
+        ignored)."""
+        call = shape(to_limits(limits), cost, guard=guard)
+        return self._decide(self._acquire_call(key, call, "peek", redis_keys))
 
     def confirm(
         self,
         token: str,
-        key: str,
+        key: str | Sequence[str],
         limits: LimitSpec,
-        cost: int = 1,
+        cost: int | Sequence[int] = 1,
         *,
         horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
     ) -> Decision:
-        """Use the reservation ``token`` got from ``acquire(..., reserve=True)``.
+        """Start the call holding the reservation ``token`` (from ``acquire(...,
+        reserve=True)``).
 
         Allowed if its slot has come; ``reserved`` with the time left if not yet; if the
         reservation is gone (Redis restarted, key reset), competes again as ``acquire``
-        with ``reserve=True``.
+        with ``reserve=True``, as it does when a call already started on it (a message
+        delivered twice).
 
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote, or a bad horizon.
         """
-        token_bytes_of(token)
-        return self._call(key, shape(to_limits(limits), cost, CONFIRM, horizon), token=token)
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        started = self._start_call(token, key, call, reserved=True)
+        decision = self._decision(started, self._script_reply(started))
+        if decision is None:
+            return self._decide(self._acquire_call(key, call, "reserve"))
+        return decision
 
-    def release(self, token: str, key: str, limits: LimitSpec, cost: int = 1) -> None:
+    def restamp(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
+    ) -> Decision:
+        """Start anew the call ``token`` that :meth:`acquire` granted, whose reply was read
+        too late to start on (a busy event loop, a descheduled process): its entry moves
+        to where it really starts, as a late reservation's does (see docs/design.md).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        return self._decide(self._start_call(token, key, call, reserved=False))
+
+    def release(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+    ) -> None:
         """Give back a reservation that will not be used (a revoked or expired task),
         and the concurrency slots (or turns in line) of ``token``: its body has ended.
 
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
-        token_bytes_of(token)
-        self._call(key, shape(to_limits(limits), cost, RELEASE), token=token)
+        self._script_reply(self._release_call(token, key, limits, cost))
 
     def settle(
         self,
         token: str,
-        key: str | tuple[str, ...],
+        key: str | Sequence[str],
         limits: LimitSpec,
         cost: int | Sequence[int],
-        *,
-        was: int | Sequence[int] = 1,
     ) -> Decision:
         """Replace the cost counted for the call ``token`` (a granted or reserved
         :class:`Decision`'s) with its real one, known after the call: an LLM call's
-        tokens, a quota charged for a failed request.
+        tokens, a quota charged for a failed request. What the call was counted at, the
+        token says.
 
         A refund (less than it was) frees budget at once; a surcharge may put a window
         over its limit, which the next calls wait out (the settled call itself is never
@@ -174,20 +220,15 @@ class Limiter(LimiterBase):
             token, key, limits: as given to (and returned by) :meth:`acquire`.
             cost: the real cost, an int of 0 or more (it may exceed a limit), or one
                 per limit.
-            was: the cost the call was acquired with (``acquire``'s ``cost``), or one
-                per limit.
 
         Returns:
             A Decision: ``allowed`` when the call's entry was found and changed, with
-            the ``remaining`` weight after it.
+            the ``remaining`` weight after it, and the token to settle it again by.
 
         Raises:
-            InvalidLimit / TypeError: a bad token, cost or ``was``.
+            InvalidLimit / TypeError: a bad token or cost.
         """
-        call = self._settle_call(token, key, limits, cost, was)
-        decision = self._decision(call, self._script_reply(call))
-        assert decision is not None  # a settle never answers SPENT
-        return decision
+        return self._decide(self._settle_call(token, key, limits, cost))
 
     def renew(
         self,
@@ -205,7 +246,7 @@ class Limiter(LimiterBase):
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
         call = self._renew_call(token, key, limits, lease)
-        return call is None or bool(self._script_reply(call)[0] == 1)
+        return call is None or bool(self._script_reply(call) == 1)
 
     def pause(self, key: str, seconds: float | str | Any) -> float:
         """Grant nothing on ``key`` (every limit and concurrency limit of it) for
@@ -219,12 +260,12 @@ class Limiter(LimiterBase):
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
         """
         call = self._pause_call(key, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)[2]) / 1_000_000
+        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
 
     def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
         """:meth:`pause` for keys already escaped (one script call for all of them)."""
         call = self._pause_keys_call(escaped, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)[2]) / 1_000_000
+        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
 
     def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
         """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
@@ -307,42 +348,14 @@ class Limiter(LimiterBase):
         kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
         return translate(exc, doing, kwargs.get("username"), self.prefix)
 
-    # -- shared by the Celery layer -------------------------------------------------
+    # -- the calls ------------------------------------------------------------------
 
-    def _call(
-        self,
-        key: str | tuple[str, ...],
-        shape: Shape,
-        *,
-        token: str | None = None,
-        redis_keys: list[str] | None = None,
-    ) -> Decision:
-        """One decision of ``shape`` for ``key`` (see :meth:`_script_call`)."""
-        call = self._script_call(key, shape, token, redis_keys)
+    def _decide(self, call: ScriptCall) -> Decision:
+        """The Decision of a decision script's call that starts no reservation."""
         decision = self._decision(call, self._script_reply(call))
-        if decision is None:
-            # the reservation was already started on (a message delivered twice):
-            # this execution competes like a new call, with a token of its own
-            return self._call(key, shape.with_mode(RESERVE), redis_keys=redis_keys)
+        if decision is None:  # only a reservation's start may find it spent
+            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
         return decision
-
-    def decide(
-        self,
-        keys: list[str],
-        limits: tuple[Limit | Concurrency, ...],
-        cost: int | Sequence[int],
-        mode: int,
-        *,
-        token: str | None = None,
-        horizon: float = DEFAULT_HORIZON,
-        guard: float = 0.0,
-        hold: float = 0.0,
-    ) -> Decision:
-        """:meth:`_call` for callers that hold Redis ``keys`` (from :meth:`keys_for`, or
-        found by a scan): worked out afresh on every call."""
-        return self._call(
-            (), shape(limits, cost, mode, horizon, guard, hold), token=token, redis_keys=keys
-        )
 
     def _script_reply(self, call: ScriptCall) -> Any:
         """The script's reply to ``call`` (on the held connection).
@@ -353,12 +366,12 @@ class Limiter(LimiterBase):
         script = self._scripts[call.script]
         if not self._checked:
             self.check()
-        keys, token, numbers = call.keys, call.token, call.numbers
+        keys, args = call.keys, call.args
         try:
             try:
-                return self._send("EVALSHA", script.sha, len(keys), *keys, token, numbers)
+                return self._send("EVALSHA", script.sha, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
                 # loads the script, then runs it
-                return script(keys=keys, args=[token, numbers])
+                return script(keys=keys, args=args)
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc

@@ -95,11 +95,12 @@ class Metrics:
         )
 
     def decision(
-        self, limits: Iterable[AnyLimit], decision: Decision, seconds: float, runs: bool, mode: int
+        self, limits: Iterable[AnyLimit], decision: Decision, seconds: float, runs: bool, mode: str
     ) -> None:
         """Record one decision: its latency, and allowed (``runs``) or denied per limit.
 
-        ``mode`` is the script mode: a confirmed reservation that runs is no longer
+        ``mode`` is what was asked (``_base.CONFIRM``, ...): a confirmed reservation that
+        runs is no longer
         pending; a held one not yet due is no denial.
         """
         self.latency.observe(seconds)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ._base import PEEK
 from ._keys import escape_key
 from ._layout import (
     COUNTER_FIELDS,
@@ -294,7 +293,7 @@ def status(
                 if override is not None and override.window_us == name.window_us:
                     row.override = override
                 row.sources = sorted({k.source for k in matching})
-                decision = limiter.decide([name.redis_key], (row.limit,), 1, PEEK, guard=guard)
+                decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
                 row.remaining = decision.remaining
                 row.next_free = decision.retry_after
             result.append(row)

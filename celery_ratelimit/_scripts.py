@@ -1,16 +1,19 @@
 """The Lua scripts, read once from the package (or the source tree's ``lua/``), and the
-numbers a call sends them.
+arguments a decision sends them.
 
-A script may include another file of ``lua/`` with a line ``--- @include "file.lua"``
-(as BullMQ's scripts do): the file's text takes that line's place, so that Redis runs
-one script while a reader has files of a readable size."""
+One entry script per operation (``lua/acquire.lua``, ``start.lua``, ``release.lua``,
+...), each opening with its KEYS, ARGV and reply. They share Lua functions with
+parameters, kept in ``lua/lib/``: a line ``--- @include "lib/log.lua"`` is replaced by
+that file's text (as BullMQ's scripts do), so that Redis runs one script while a reader
+has files of a readable size.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import re
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
@@ -20,14 +23,22 @@ from zoneinfo import ZoneInfo
 from ._calendar import boundaries, zone_of
 from ._exceptions import InvalidLimit
 from ._limit import DEFAULT_LEASE, Concurrency, check_cost
-from ._rate import Rate
 
-NAMES = ("sliding_log", "sliding_counter", "concurrency", "park")
-_INCLUDE = re.compile(r'^--- @include "([a-z_]+\.lua)"$', re.MULTILINE)
+#: The entry scripts, by the name a limiter's calls use.
+NAMES = (
+    "acquire",
+    "start",
+    "release",
+    "settle",
+    "counter",
+    "renew",
+    "pause",
+    "override",
+    "park",
+)
+_INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
-#: The mode of a settle (see lua/sliding_log.lua): its costs may be 0 or above a limit.
-SETTLE = 9
 #: Reservations are never made further ahead than this by default (seconds).
 DEFAULT_HORIZON = 3600.0
 
@@ -42,52 +53,82 @@ def source(name: str) -> str:
 
 def _read(filename: str) -> str:
     """A file of ``lua/``: packaged in the wheel, or beside the package in a checkout."""
-    packaged = resources.files("celery_ratelimit") / "lua" / filename
+    packaged = resources.files("celery_ratelimit").joinpath("lua", *filename.split("/"))
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
     return (Path(__file__).resolve().parent.parent / "lua" / filename).read_text(encoding="utf-8")
 
 
+def _us(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
 @dataclass(frozen=True)
 class Shape:
-    """What a script call sends besides its keys and token: the limits (rate limits,
-    then concurrency limits), the cost (one for every limit, or one per limit), the
-    mode, the options of the Celery layer (``horizon``, ``guard`` and ``hold``, in
-    seconds) and the lease of a concurrency limit that gives
-    none (seconds; None: ``DEFAULT_LEASE``).
+    """What a decision sends besides its keys, token and flag (see ``lua/lib/call.lua``):
+    the limits (sliding rate limits, then aligned ones, then concurrency limits), the
+    cost (one for every limit, or one per limit), and the options of the Celery layer,
+    in seconds.
 
-    ``cost`` is one cost for every limit, or one per limit (a units quota and a
-    per-call cap checked together). ``guard`` (seconds; at most 4% of each window is
-    used) widens the windows in which calls are *placed*, while a confirmed reservation
-    starts as soon as its cost fits a window only half of it wider: a task that starts
-    up to half of ``guard`` after its slot costs no extra wait, and bodies that begin
-    up to half of it after their recorded start still never put more than the limit in
-    a window (the Celery layer's ``ratelimit_guard``). ``hold`` (seconds, ``"log"``
-    only): a reservation or confirmation whose start is at most this far ahead is
-    counted as started at that instant and answered ``allowed`` with ``retry_after`` >
-    0: the caller waits that long, then runs, with no second call (the Celery layer
-    waits in-process up to 0.2 s).
+    ``horizon``: nothing is reserved further ahead. ``guard`` (at most 4% of each
+    window is used) widens the windows in which calls are *placed*, while a start is
+    checked in a window only half of it wider: a body that begins up to half of
+    ``guard`` after its recorded start still never puts more than the limit in a window
+    (the Celery layer's ``ratelimit_guard``). ``hold`` (``"log"`` only): a start at most
+    this far ahead is counted for that instant and answered ``allowed`` with
+    ``retry_after`` > 0: the caller waits that long and runs with no second call.
+    ``lease``: a concurrency limit's lease when it gives none (None: ``DEFAULT_LEASE``).
+    ``settling``: the costs are a settle's real ones (0, or above a limit, allowed).
 
-    Hashable, so a limiter remembers what it sends for a shape; its packed numbers are
-    worked out, and checked, once.
+    Hashable, so a limiter remembers what it sends for a shape; its arguments are worked
+    out, and checked, once.
     """
 
     limits: tuple[Any, ...]
     cost: int | tuple[int, ...] = 1
-    mode: int = 0
     horizon: float = DEFAULT_HORIZON
     guard: float = 0.0
     hold: float = 0.0
     lease: float | None = None
-
-    def with_mode(self, mode: int) -> Shape:
-        return self if mode == self.mode else replace(self, mode=mode)
+    settling: bool = False
 
     @property
     def cacheable(self) -> bool:
         """Only exact ints may be remembered: a bool or a float hashes like an int."""
         costs = self.cost if type(self.cost) is tuple else (self.cost,)
         return all(type(one) is int for one in costs)
+
+    @cached_property
+    def costs(self) -> tuple[int, ...]:
+        """One cost per limit.
+
+        Raises:
+            InvalidLimit, TypeError: a bad cost, naming it.
+        """
+        cost, limits = self.cost, self.limits
+        if isinstance(cost, int):
+            costs: tuple[Any, ...] = (cost,) * len(limits)
+        elif isinstance(cost, tuple):
+            costs = cost
+        else:
+            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
+        if len(costs) != len(limits):
+            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        for limit, one in zip(limits, costs, strict=True):
+            if isinstance(limit, Concurrency):
+                continue
+            if self.settling:
+                # a real cost known after the call: a refund to 0, or above the limit
+                if isinstance(one, bool) or not isinstance(one, int) or one < 0:
+                    raise InvalidLimit(f"a settled cost must be an int of 0 or more, got {one!r}")
+                continue
+            check_cost(one)
+            if one > limit.fixed_rate.limit:
+                raise InvalidLimit(
+                    f"cost {one} is greater than the limit of {limit.label}: "
+                    "such a call could never run"
+                )
+        return tuple(costs)
 
     @cached_property
     def aligned(self) -> tuple[tuple[int, ZoneInfo], ...]:
@@ -98,103 +139,89 @@ class Shape:
             if not isinstance(limit, Concurrency) and limit.align is not None
         )
 
-    def calendar(self) -> bytes:
-        """The aligned limits' window boundaries around this machine's clock now (sent
-        after :attr:`numbers`; empty when there are none)."""
-        return b"".join(boundaries(window, zone) for window, zone in self.aligned)
-
     @cached_property
-    def numbers(self) -> bytes:
-        """The script's ARGV[2] but for calendar boundaries (see :meth:`aligned`): mode,
-        horizon, guard, hold, how many concurrency limits, settings keys (one per limit)
-        and aligned limits, then (limit, window, cost) of every rate limit (sliding, then
-        aligned) and (n, lease) of every concurrency limit, as packed doubles.
+    def args(self) -> tuple[int, ...]:
+        """ARGV[3] on of a decision (see ``lua/lib/call.lua``), but for the aligned
+        limits' boundaries, which :meth:`arguments` adds on every call.
 
         Raises:
             InvalidLimit, TypeError: a bad cost or horizon, naming it.
         """
-        limits, cost, horizon = self.limits, self.cost, self.horizon
-        if isinstance(cost, int):
-            costs: tuple[Any, ...] = (cost,) * len(limits)
-        elif isinstance(cost, tuple):
-            costs = cost
-        else:
-            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
-        if len(costs) != len(limits):
-            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        horizon = self.horizon
         if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
             raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
         if not 0 < horizon <= MAX_HORIZON:
             raise InvalidLimit(
                 f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
             )
-        slots = [limit for limit in limits if isinstance(limit, Concurrency)]
-        numbers: list[int] = [
-            self.mode,
-            int(horizon * 1_000_000),
-            int(self.guard * 1_000_000),
-            int(self.hold * 1_000_000),
-            len(slots),
-            len(limits),
-            len(self.aligned),
+        rates = [
+            (limit, cost)
+            for limit, cost in zip(self.limits, self.costs, strict=True)
+            if not isinstance(limit, Concurrency)
         ]
-        for limit, one in zip(limits, costs, strict=True):
-            if isinstance(limit, Concurrency):
-                continue
-            if self.mode == SETTLE:
-                # a real cost known after the call: a refund to 0, or above the limit
-                if isinstance(one, bool) or not isinstance(one, int) or one < 0:
-                    raise InvalidLimit(f"a settled cost must be an int of 0 or more, got {one!r}")
-                numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, one)
-                continue
-            check_cost(one)
-            if one > limit.fixed_rate.limit:
-                raise InvalidLimit(
-                    f"cost {one} is greater than the limit of {limit.label}: "
-                    "such a call could never run"
-                )
-            numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, one)
-        for slot in slots:
-            lease = slot.lease or self.lease or DEFAULT_LEASE
-            numbers += (slot.n, int(lease * 1_000_000))
-        return struct.pack(f"<{len(numbers)}d", *numbers)
+        slots = [limit for limit in self.limits if isinstance(limit, Concurrency)]
+        numbers = [
+            len(rates) - len(self.aligned),
+            len(self.aligned),
+            len(slots),
+            _us(horizon),
+            _us(self.guard),
+            _us(self.hold),
+        ]
+        for limit, cost in rates:
+            numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, cost)
+        return tuple(numbers)
+
+    @cached_property
+    def leases(self) -> tuple[int, ...]:
+        """(most, lease µs) of every concurrency limit."""
+        numbers: list[int] = []
+        for slot in self.limits:
+            if isinstance(slot, Concurrency):
+                numbers += (slot.n, _us(slot.lease or self.lease or DEFAULT_LEASE))
+        return tuple(numbers)
+
+    def arguments(self) -> list[int]:
+        """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
+        machine's clock now, and :attr:`leases`."""
+        every = list(self.args)
+        for window, zone in self.aligned:
+            every += boundaries(window, zone)
+        every += self.leases
+        return every
 
 
-def pause_numbers(seconds: float, keys: int) -> bytes:
-    """ARGV[2] of a pause (mode 7) of ``keys`` settings hashes for ``seconds``."""
-    return struct.pack("<7d", 7, int(seconds * 1_000_000), 0, 0, 0, keys, 0)
-
-
-def override_numbers(rate: Rate | None, ttl: float | None) -> bytes:
-    """ARGV[2] of a rate override (mode 8) of one settings hash: ``rate`` (None:
-    remove) for ``ttl`` seconds (None: until removed).
-
-    Raises:
-        InvalidLimit, TypeError: a bad ``ttl``, naming it.
-    """
-    ttl_us = 0
-    if ttl is not None:
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-            raise TypeError(f"ttl must be a number of seconds or None, got {ttl!r}")
-        if not 0 < ttl <= MAX_HORIZON:
-            raise InvalidLimit(
-                f"ttl must be more than 0 and at most {MAX_HORIZON:g} seconds, got {ttl!r}"
-            )
-        ttl_us = max(int(ttl * 1_000_000), 1)
-    limit, window_us = (rate.limit, rate.window_us) if rate is not None else (0, 0)
-    return struct.pack("<7d", 8, ttl_us, limit, window_us, 0, 1, 0)
+#: Shapes by their arguments: a call's arguments are worked out and checked once per
+#: shape, so the same limits and options give the same Shape object.
+_SHAPES: dict[tuple[Any, ...], Shape] = {}
+_SHAPES_SIZE = 4096
 
 
 def shape(
     limits: tuple[Any, ...],
     cost: int | Sequence[int],
-    mode: int,
     horizon: float = DEFAULT_HORIZON,
     guard: float = 0.0,
     hold: float = 0.0,
     lease: float | None = None,
+    settling: bool = False,
 ) -> Shape:
-    """A :class:`Shape`, a sequence of costs made a tuple (so that it hashes)."""
+    """A :class:`Shape` (a sequence of costs made a tuple, so that it hashes), the one
+    made before for the same arguments if it may be remembered."""
     if isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
         cost = tuple(cost)
-    return Shape(limits, cost, mode, horizon, guard, hold, lease)  # type: ignore[arg-type]
+    every = (limits, cost, horizon, guard, hold, lease, settling)
+    costs = cost if type(cost) is tuple else (cost,)
+    if not all(type(one) is int for one in costs):
+        # a bool or a float hashes like an int: never looked up, checked every time
+        return Shape(*every)  # type: ignore[arg-type]
+    try:
+        return _SHAPES[every]
+    except (KeyError, TypeError):
+        pass
+    made = Shape(*every)  # type: ignore[arg-type]
+    if len(_SHAPES) >= _SHAPES_SIZE:
+        _SHAPES.clear()
+    with contextlib.suppress(TypeError):  # unhashable
+        _SHAPES[every] = made
+    return made

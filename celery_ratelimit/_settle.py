@@ -8,6 +8,7 @@ failed requests. The task was counted at the cost its limits declare (an estimat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from celery import current_task
 
@@ -58,7 +59,11 @@ def settle(cost: int | Sequence[int]) -> Decision | None:
             cost if every or weighs else counted  # type: ignore[misc]
             for weighs, counted in zip(weighed, costs, strict=True)
         )
-    return limiter_for(task.app).settle(decision.token, keys, limits, real, was=costs)
+    settled = limiter_for(task.app).settle(decision.token, keys, limits, real)
+    if settled.allowed:
+        # its token now carries the settled costs: a second settle starts from them
+        setattr(request, DECISION_ATTR, replace(decision, token=settled.token))
+    return settled
 
 
 __all__ = ["settle"]

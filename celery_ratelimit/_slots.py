@@ -20,9 +20,7 @@ from typing import Any
 
 from celery import signals
 
-from ._base import RELEASE
 from ._limiter import Limiter
-from ._scripts import shape
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -37,7 +35,7 @@ class Held:
     limiter: Limiter
     keys: tuple[str, ...]  # escaped, one per concurrency limit
     limits: tuple[Any, ...]  # the call's Concurrency limits
-    token: str
+    token: str  # the call's token without its costs (these limits count none)
     lease: float
     renewed: float = field(default_factory=time.monotonic)
 
@@ -74,7 +72,7 @@ def release(request: Any) -> None:
     with _lock:
         _held.pop(held.token, None)
     try:
-        held.limiter._call(held.keys, shape(held.limits, 1, RELEASE), token=held.token)
+        held.limiter.release(held.token, held.keys, held.limits)
     except Exception as exc:  # the slot comes back when its lease runs out
         logger.warning(
             "ratelimit: could not release a concurrency slot (%s); it comes back when "

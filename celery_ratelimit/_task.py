@@ -29,7 +29,6 @@ from typing import Any
 
 from celery import Task, signals
 
-from ._base import RELEASE
 from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
@@ -49,7 +48,6 @@ from ._exceptions import (
 from ._keys import escape_key
 from ._limit import Concurrency, describe, to_limits
 from ._plan import check_key_fields, plan_for
-from ._scripts import shape
 from ._settings import limiter_for
 from ._slots import release
 from ._upstream import UpstreamRateLimited
@@ -313,7 +311,7 @@ def _release_on_revoke(request: Any = None, **_: Any) -> None:
             return
         keys, costs, limits = plan.resolve(tuple(request.args or ()), request.kwargs or {})
         limiter = limiter_for(task.app)
-        limiter._call(keys, shape(limits, costs, RELEASE), token=token)
+        limiter.release(token, keys, limits, costs)
     except Exception as exc:  # a slot that cannot be released only wastes budget
         logger.debug("ratelimit: could not release the slot of %s: %s", request.id, exc)
 

@@ -98,7 +98,7 @@ def test_settle_and_an_aligned_day_as_the_sync_limiter(redis_url: str, limiter: 
         try:
             granted = await lim.acquire("q", day, cost=8)
             assert granted.token and not (await lim.acquire("q", day, cost=5)).allowed
-            settled = await lim.settle(granted.token, "q", day, 3, was=8)
+            settled = await lim.settle(granted.token, "q", day, 3)
             assert settled.allowed and settled.remaining == 7
         finally:
             await lim.aclose()

@@ -27,10 +27,10 @@ from celery import chain, chord, group
 from kombu import Connection
 
 from celery_ratelimit import Limit, Limiter, Rate, _settings
-from celery_ratelimit._base import RESTAMP
 from celery_ratelimit._check import ETA_MARGIN
 from celery_ratelimit._layout import PENDING
 from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
+from tests.calls import RESTAMP, decide
 from tests.log_reader import entries as log_entries
 from tests.log_reader import sleep_until, us
 from tests.nodes import (
@@ -473,7 +473,7 @@ def test_max_deferrals_counts_denials_not_a_reserved_slot_moved_later(nodes: Nod
         sleep_until(client, int(slot) - 1_000_000)
     # the first task's start moves a second before the slot: it fits there, and the
     # slot's window now holds a start, so the second task is pushed a window later
-    moved = limiter.decide(keys, (PUSHED,), 1, RESTAMP, token=run0["token"], guard=0.03)
+    moved = decide(limiter, keys, (PUSHED,), 1, RESTAMP, token=run0["token"], guard=0.03)
     assert moved.allowed and moved.retry_after == 0
     assert second.get(timeout=30) == 1
     [run1] = [r for r in nodes.runs() if r["id"] == second.id]

@@ -33,13 +33,13 @@ def lua_constant(script: str, name: str) -> float:
 
 
 def test_the_scripts_share_the_layouts_constants() -> None:
-    assert lua_constant("sliding_log", "ENTRY_FLOOR") == ENTRY_FLOOR
-    assert lua_constant("sliding_log", "TOKEN_LEN") == TOKEN_LEN
+    assert lua_constant("acquire", "ENTRY_FLOOR") == ENTRY_FLOOR
+    assert lua_constant("acquire", "TOKEN_LEN") == TOKEN_LEN
     members = ", ".join(f"'{m}'" for m in META_MEMBERS)
-    assert f"redis.call('ZMSCORE', key, {members})" in source("sliding_log")
+    assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
-    assert f"redis.call('HMGET', KEYS[i], {fields})" in source("sliding_counter")
-    assert f"return '{WINDOW_META}' .. string.format" in source("concurrency")
+    assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
+    assert f"return '{WINDOW_META}' .. string.format" in source("acquire")
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
@@ -53,8 +53,8 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     status = key_status(limiter.client, name, now)
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
-    settings = f"redis.call('HMGET', KEYS[sbase + i], '{PAUSE_FIELD}', '{RATE_FIELD}')"
-    assert settings in source("concurrency")
+    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}')"
+    assert settings in source("acquire")
 
 
 @pytest.mark.parametrize("key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd"])

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
-from celery_ratelimit._base import ACQUIRE, CONFIRM, RESTAMP
-from celery_ratelimit._scripts import Shape
+from celery_ratelimit._scripts import shape
+from tests.calls import ACQUIRE, CONFIRM, RESTAMP, decide
 from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
 
@@ -242,9 +242,9 @@ def test_a_denial_by_one_limit_consumes_nothing_from_the_others(
 def test_per_limit_costs_in_one_call(limiter: Limiter, redis_client: redis.Redis) -> None:
     rates = (Limit("100/s", key="api:units"), Limit("2/s", key="api:calls"))  # quota + cap
     keys = limiter.keys_for("api", rates)
-    assert limiter.decide(keys, rates, [40, 1], ACQUIRE).allowed
-    assert limiter.decide(keys, rates, [40, 1], ACQUIRE).allowed
-    denied = limiter.decide(keys, rates, [10, 1], ACQUIRE)
+    assert decide(limiter, keys, rates, [40, 1], ACQUIRE).allowed
+    assert decide(limiter, keys, rates, [40, 1], ACQUIRE).allowed
+    denied = decide(limiter, keys, rates, [10, 1], ACQUIRE)
     assert not denied.allowed and denied.limit == rates[1]
     assert [total(redis_client, k) for k in keys] == [80, 2]
 
@@ -435,10 +435,10 @@ def p_late_then_q_on_time(
     assert p.token and q.token and r.token
     assert us(q.at) - us(p.at) == us(r.at) - us(q.at) == 1_000_000
     sleep_until(redis_client, us(p.at) + late_us)
-    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
+    late = decide(limiter, keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
     assert late.allowed and late.retry_after == 0  # p's own room: it starts at once
     sleep_until(redis_client, us(q.at))
-    second = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    second = decide(limiter, keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
     return keys, limits, (p, q, r), late, second
 
 
@@ -456,13 +456,13 @@ def test_a_held_start_counts_for_starts_decided_before_its_instant(
     assert us(held.at) == us(late.at) + 1_000_000
     # r confirms early, 750 ms before its slot, while q's start is still ahead
     sleep_until(redis_client, us(r.at) - 750_000)
-    early = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
+    early = decide(limiter, keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
     start = us(early.at)
     assert start >= us(held.at) + 1_000_000, "r would start within a window of q's start"
     assert early.reserved and early.retry_after > HOLD  # so it is deferred, not held
     # holding consumed the reservation: confirming q again is a second execution,
     # which competes anew instead of reusing it
-    again = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    again = decide(limiter, keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
     assert again.token != q.token
 
 
@@ -482,11 +482,11 @@ def test_a_start_pushed_far_goes_where_a_new_reservation_would_and_moves_no_othe
     assert us(pushed.at) == us(r.at) + 1_000_000
     # and r starts on its own slot, not pushed in turn
     sleep_until(redis_client, us(r.at))
-    on_time = limiter.decide(keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
+    on_time = decide(limiter, keys, limits, 1, CONFIRM, token=r.token, hold=HOLD)
     assert on_time.allowed and on_time.retry_after == 0
     # q, back on its new slot, starts there
     sleep_until(redis_client, us(pushed.at))
-    moved = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    moved = decide(limiter, keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
     assert moved.allowed and moved.token == q.token
     assert us(moved.at) >= us(pushed.at)
 
@@ -510,10 +510,10 @@ def test_the_room_of_a_slot_whose_task_never_came_goes_to_a_new_call(
     # q, on time, finds that start within its window: it starts a window after it
     # (here within the hold: waited for in-process)
     sleep_until(redis_client, us(q.at))
-    moved = limiter.decide(keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
+    moved = decide(limiter, keys, limits, 1, CONFIRM, token=q.token, hold=HOLD)
     assert moved.allowed and us(moved.at) == us(new.at) + 1_000_000
     # p, arriving at last, starts a window after q at the earliest
-    late = limiter.decide(keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
+    late = decide(limiter, keys, limits, 1, CONFIRM, token=p.token, hold=HOLD)
     assert late.reserved and us(late.at) >= us(moved.at) + 1_000_000
 
 
@@ -529,7 +529,7 @@ def test_a_grant_read_late_is_restamped_where_it_really_starts(
     others = [limiter.acquire("late", rate) for _ in range(2)]
     sleep_until(redis_client, us(first.at) + 150_000)
     for _ in range(2):  # read late twice: moved each time, never added
-        moved = limiter.decide(keys, (rate,), 1, RESTAMP, token=first.token)
+        moved = decide(limiter, keys, (rate,), 1, RESTAMP, token=first.token)
         assert moved.allowed and moved.retry_after == 0 and moved.token == first.token
         assert us(moved.at) >= us(first.at) + 150_000
         assert sorted(t for t, _ in entries(redis_client, keys[0])) == sorted(
@@ -552,7 +552,7 @@ def test_a_grant_read_after_its_window_waits_for_the_starts_since(
     sleep_until(redis_client, us(first.at) + 450_000)
     others = [limiter.acquire("gone", rate) for _ in range(3)]  # the first one is pruned
     assert all(d.allowed for d in others)
-    late = limiter.decide(keys, (rate,), 1, RESTAMP, token=first.token, hold=0.1)
+    late = decide(limiter, keys, (rate,), 1, RESTAMP, token=first.token, hold=0.1)
     assert not late.allowed and late.reserved and late.token == first.token
     assert us(late.at) >= us(others[0].at) + 400_000
     sleep_until(redis_client, us(late.at))
@@ -657,13 +657,13 @@ def test_a_burst_leaving_a_long_log_is_pruned_a_batch_per_call(
     rate = Limit("3000/400ms")
     key = f"burst-{newer}"
     keys = limiter.keys_for(key, rate)
-    every, numbers = limiter._prepared(key, Shape((rate,), 1, ACQUIRE))
     limiter.check()
-    sha = limiter._scripts["log"].sha
+    sha = limiter._scripts["acquire"].sha
     with redis_client.pipeline(transaction=False) as pipe:
         for _ in range(1200):
-            pipe.evalsha(sha, len(every), *every, os.urandom(8), numbers)
-        assert all(len(reply) == 3 for reply in pipe.execute())  # all granted at once
+            call = limiter._acquire_call(key, shape((rate,), 1), "now")
+            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        assert all(reply[0] == 1 for reply in pipe.execute())  # all granted at once
     last = entries(redis_client, keys[0])[-1][0]
     if newer:
         sleep_until(redis_client, last + 200_000)

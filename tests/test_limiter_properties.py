@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._base import CONFIRM, RESERVE, RESTAMP
+from celery_ratelimit._decision import token_bytes_of
 from celery_ratelimit._keys import MAX_KEY, escape_part, render
 from celery_ratelimit._layout import PENDING, redis_key
+from tests.calls import CONFIRM, RESERVE, RESTAMP, decide
 from tests.log_reader import (
     ENTRY_FLOOR,
     entries,
@@ -134,10 +135,10 @@ def test_held_starts_never_overfill_a_window_of_starts(
     for new, cost, wait_ms, pick in steps:
         time.sleep(wait_ms / 1000)
         if new or not pending:
-            d = limiter.decide(keys, limits, cost, RESERVE, hold=HOLD)
+            d = decide(limiter, keys, limits, cost, RESERVE, hold=HOLD)
         else:
             token, cost = pending.pop(pick % len(pending))
-            d = limiter.decide(keys, limits, cost, CONFIRM, token=token, hold=HOLD)
+            d = decide(limiter, keys, limits, cost, CONFIRM, token=token, hold=HOLD)
         if d.allowed:
             assert 0 <= d.retry_after <= HOLD
             starts.append((us(d.at), cost))
@@ -262,12 +263,12 @@ def test_a_start_is_placed_as_the_model_places_it(
             time.sleep(wait_ms / 1000)
             # uniform: as many calls of weight 1 as the drawn cost, so as to press as hard
             for weight in [1] * cost if uniform else [cost]:
-                d = limiter.decide(keys, limits, weight, RESERVE, hold=HOLD)
+                d = decide(limiter, keys, limits, weight, RESERVE, hold=HOLD)
                 if d.token is not None:
                     tokens.append((d.token, weight))
             continue
         token, cost = tokens[pick % len(tokens)]
-        member = bytes.fromhex(token) + (b"" if cost == 1 else b".%d" % cost)
+        member = token_bytes_of(token) + (b"" if cost == 1 else b".%d" % cost)
         due = redis_client.zscore(keys[0] + PENDING, member)
         if due is None:  # a grant, restamped later
             time.sleep(wait_ms / 1000)
@@ -275,7 +276,7 @@ def test_a_start_is_placed_as_the_model_places_it(
             sleep_until(redis_client, int(due) + wait_ms * 3000 - 10_000)
         log, slots = read_log(redis_client, keys)
         mode = CONFIRM if member in slots else RESTAMP
-        d = limiter.decide(keys, limits, cost, mode, token=token, hold=HOLD)
+        d = decide(limiter, keys, limits, cost, mode, token=token, hold=HOLD)
         if not (d.allowed or d.reserved) or (mode == CONFIRM and d.token != token):
             continue  # denied, or a second start on one reservation (competes anew)
         now = us(d.at) - us(d.retry_after) if d.retry_after else us(d.at)

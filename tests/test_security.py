@@ -31,11 +31,11 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
-from celery_ratelimit._base import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._keys import MAX_KEY, escape_key, render
 from celery_ratelimit._layout import redis_key
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
+from tests.calls import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP, decide
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary
 
@@ -124,19 +124,19 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     assert limiter.acquire(f"acl:a{n}", limit).allowed
     assert limiter.acquire(f"acl:a{n}", limit).allowed
     assert not limiter.acquire(f"acl:a{n}", limit).allowed
-    reserved = limiter.decide(keys, (limit,), 1, RESERVE)
+    reserved = decide(limiter, keys, (limit,), 1, RESERVE)
     assert reserved.reserved and reserved.token
-    early = limiter.decide(keys, (limit,), 1, CONFIRM, token=reserved.token)
+    early = decide(limiter, keys, (limit,), 1, CONFIRM, token=reserved.token)
     assert early.reserved
     time.sleep(reserved.retry_after + 0.01)
-    assert limiter.decide(keys, (limit,), 1, CONFIRM, token=reserved.token).allowed
-    limiter.decide(keys, (limit,), 1, ACQUIRE)
-    other = limiter.decide(keys, (limit,), 1, RESERVE)
+    assert decide(limiter, keys, (limit,), 1, CONFIRM, token=reserved.token).allowed
+    decide(limiter, keys, (limit,), 1, ACQUIRE)
+    other = decide(limiter, keys, (limit,), 1, RESERVE)
     assert other.reserved
-    limiter.decide(keys, (limit,), 1, RELEASE, token=other.token)  # removes the newest
-    limiter.decide(keys, (limit,), 1, RESERVE)  # which is then looked up again
-    limiter.decide(keys, (limit,), 1, PEEK)
-    limiter.decide(keys, (limit,), 1, ACQUIRE)
+    decide(limiter, keys, (limit,), 1, RELEASE, token=other.token)  # removes the newest
+    decide(limiter, keys, (limit,), 1, RESERVE)  # which is then looked up again
+    decide(limiter, keys, (limit,), 1, PEEK)
+    decide(limiter, keys, (limit,), 1, ACQUIRE)
     # mixed weights: a denial walks the entries
     mixed = Limit("3/600ms", key=f"acl:m{n}")
     assert [limiter.acquire(f"acl:m{n}", mixed, cost=c).allowed for c in (1, 2, 1)] == [
@@ -147,13 +147,13 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     # a start moved into the window before a slot pushes that slot later (by rank)
     one = Limit("1/600ms", key=f"acl:s{n}")
     ones = limiter.keys_for(f"acl:s{n}", one)
-    granted = limiter.decide(ones, (one,), 1, RESERVE)
-    slot = limiter.decide(ones, (one,), 1, RESERVE)
+    granted = decide(limiter, ones, (one,), 1, RESERVE)
+    slot = decide(limiter, ones, (one,), 1, RESERVE)
     assert granted.allowed and slot.reserved
     time.sleep(max(slot.retry_after - 0.2, 0))
-    assert limiter.decide(ones, (one,), 1, RESTAMP, token=granted.token).allowed
+    assert decide(limiter, ones, (one,), 1, RESTAMP, token=granted.token).allowed
     time.sleep(0.22)
-    assert limiter.decide(ones, (one,), 1, CONFIRM, token=slot.token).reserved
+    assert decide(limiter, ones, (one,), 1, CONFIRM, token=slot.token).reserved
     counter = Limit("2/600ms", key=f"acl:c{n}", algorithm="counter")
     got = [limiter.acquire(f"acl:c{n}", counter) for _ in range(3)]
     assert [d.allowed for d in got] == [True, True, False], got

@@ -1,0 +1,82 @@
+-- acquire.lua — count a call now against every limit of its key, all or nothing (the
+-- log algorithm, aligned and concurrency limits; no sliding limit at all is allowed).
+--
+-- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
+--   "now"      count it now, or deny (status 1 or 0)
+--   "reserve"  count it now, else at the earliest instant it fits, no further ahead
+--              than the horizon: a reservation (status 2, its slot also kept in the
+--              pending sets; or 6 when that instant is within `hold`), else deny
+--   "peek"     answer as "now" would, writing nothing
+--
+-- A call that does not fit counting every entry still starts now when it fits counting
+-- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
+-- start confirmed late would take that room too.
+
+--- @include "lib/call.lua"
+--- @include "lib/log.lua"
+--- @include "lib/calendar.lua"
+--- @include "lib/concurrency.lua"
+--- @include "lib/gate.lua"
+--- @include "lib/reply.lua"
+
+local c = read_call(KEYS, ARGV, true)
+local now, write = c.now, c.flag ~= 'peek'
+local pause = read_settings(c)
+local ks = {}
+for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
+local cals = open_cals(c, write, false)
+local gate, gate_by, firm = gate_at(c, c.concs, cals, pause, false, write)
+
+local function answer(status, at, retry_after, denied_by)
+  if write then
+    for _, k in ipairs(ks) do log_flush(k) end
+    gate_commit(c, cals, status, at)
+  end
+  return reply(status, at, retry_after, denied_by, now, ks, cals, c.concs)
+end
+
+if gate == now then
+  local fits = true
+  for _, k in ipairs(ks) do
+    if k.total + k.cost > k.limit
+      and (log_abandoned(k, now) == 0 or log_start_in(k, now, now, c.hold) > now) then
+      fits = false
+      break
+    end
+  end
+  if fits then
+    if write then
+      for _, k in ipairs(ks) do log_add(k, now, now) end
+    end
+    return answer(1, now, 0, 0)
+  end
+end
+
+local at, denied_by = now, 0
+for i, k in ipairs(ks) do
+  local excess = k.total + k.cost - k.limit
+  if excess > 0 then
+    local s = log_free_at(k, excess, now)
+    if s > at then at, denied_by = s, i end
+  end
+end
+if gate > at then at, denied_by = gate, gate_by end
+if #cals > 0 then
+  local s, by = cal_at(cals, at, now, c.horizon)
+  if s > at then at, denied_by = s, #ks + by end
+end
+
+if c.flag == 'peek' then
+  if denied_by == 0 then return answer(1, now, 0, 0) end
+  return answer(0, now, at - now, denied_by)
+end
+if denied_by ~= 0 and (c.flag ~= 'reserve' or at - now > c.horizon) then
+  return answer(0, now, at - now, denied_by)
+end
+local status = 1
+if denied_by ~= 0 then status = (at - now > c.hold or not firm) and 2 or 6 end
+for _, k in ipairs(ks) do
+  log_add(k, at, now)
+  if status == 2 then log_pend(k, at, now) end
+end
+return answer(status, at, at - now, denied_by)

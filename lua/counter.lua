@@ -1,0 +1,92 @@
+-- counter.lua — count a call now against every limit of its key, all or nothing, by the
+-- approximate sliding window (two fixed-window counters, O(1) memory per key), with its
+-- aligned and concurrency limits. The counter reserves nothing: a call is counted now or
+-- denied with the time until it fits.
+--
+-- KEYS and ARGV: a decision's (lib/call.lua), with no pending sets. Each sliding
+-- limit's key is a hash: w = the current fixed window's number (now // window), c = the
+-- weight counted in it, p = the weight counted in the window before. ARGV[2], the flag:
+-- "peek" writes nothing; anything else counts the call now or denies it.
+-- Reply: a decision's (status 0 or 1).
+--
+-- Estimate at time now, e µs into the current window of length W:
+--     estimate(now) = p * (W - e) / W + c
+-- A call fits when estimate + cost <= limit. retry_after solves that for the earliest
+-- instant, assuming no other traffic meanwhile: later in this window if c + cost fits
+-- (the p term shrinks linearly), else in the next window, where c becomes p.
+
+--- @include "lib/call.lua"
+--- @include "lib/calendar.lua"
+--- @include "lib/concurrency.lua"
+--- @include "lib/gate.lua"
+--- @include "lib/reply.lua"
+
+local TTL_MARGIN_MS = 1000
+
+local c = read_call(KEYS, ARGV, false)
+local now, write = c.now, c.flag ~= 'peek'
+local pause = read_settings(c)
+local cals = open_cals(c, write, false)
+local gate, gate_by = gate_at(c, c.concs, cals, pause, false, write)
+
+-- Each limit's windows now, and the instant its cost fits.
+local at, denied_by, remaining, reset = now, 0, nil, 0
+local counters = {}
+for i, spec in ipairs(c.logs) do
+  local limit, window, cost = spec.limit, spec.window, spec.cost
+  local wid = math.floor(now / window)
+  local h = redis.call('HMGET', spec.key, 'w', 'c', 'p')
+  local w0 = tonumber(h[1])
+  local cur, prev = tonumber(h[2]) or 0, tonumber(h[3]) or 0
+  if w0 == nil or w0 < wid - 1 then
+    cur, prev = 0, 0
+  elseif w0 == wid - 1 then
+    cur, prev = 0, cur
+  end
+  local start = wid * window
+  local estimate = prev * (window - (now - start)) / window + cur
+  if estimate + cost > limit then
+    local fits
+    if cur + cost <= limit then
+      -- prev * (W - e) / W <= limit - cur - cost  =>  e >= W * (1 - (limit - cur - cost) / prev)
+      fits = start + math.ceil(window * (1 - (limit - cur - cost) / prev)) + 1
+    else
+      -- next window: cur * (W - e) / W + cost <= limit
+      local e = 0
+      if cur > limit - cost then e = math.ceil(window * (1 - (limit - cost) / cur)) + 1 end
+      fits = start + window + e
+    end
+    if fits > at then at, denied_by = fits, i end
+  end
+  local free = math.floor(limit - estimate)
+  if remaining == nil or free < remaining then remaining = free end
+  local r = 0
+  if cur > 0 then r = (wid + 2) * window - now elseif prev > 0 then r = (wid + 1) * window - now end
+  if r > reset then reset = r end
+  counters[i] = {wid = wid, cur = cur, prev = prev}
+end
+if gate > at then at, denied_by = gate, gate_by end
+if #cals > 0 then
+  local s, by = cal_at(cals, at, now, c.horizon)
+  if s > at then at, denied_by = s, #c.logs + by end
+end
+
+if denied_by ~= 0 or not write then
+  local status = denied_by == 0 and 1 or 0
+  return reply(status, now, at - now, denied_by, now, {}, cals, c.concs, {remaining, reset})
+end
+
+remaining = nil
+for i, spec in ipairs(c.logs) do
+  local n, window = counters[i], spec.window
+  local cur = n.cur + spec.cost
+  redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev)
+  redis.call('PEXPIRE', spec.key, math.ceil(2 * window / 1000) + TTL_MARGIN_MS)
+  local r = (n.wid + 2) * window - now
+  if r > reset then reset = r end
+  local estimate = n.prev * (window - (now - n.wid * window)) / window + cur
+  local free = math.floor(spec.limit - estimate)
+  if remaining == nil or free < remaining then remaining = free end
+end
+gate_commit(c, cals, 1, now)
+return reply(1, now, 0, 0, now, {}, cals, c.concs, {remaining, reset})

@@ -1,0 +1,116 @@
+-- lib/concurrency.lua — at most `most` bodies at once per key (Concurrency(n)). Functions
+-- of a concurrency limit's state table `cc` ({h, s, w, most, lease, free}, lib/call.lua).
+--
+-- Three sorted sets per limit:
+--   holders  token -> the instant its lease runs out (µs); meta member "" (scored below
+--            ENTRY_FLOOR) = the average time a body held a slot (µs)
+--   starts   token -> the instant its body started (µs)
+--   waiters  token -> the instant its turn is expected (µs): denied calls that reserved
+--            a turn, in order; one later than its turn by more than GRACE gives its turn
+--            up (its task competes afresh if it ever comes)
+--
+-- A call may start when fewer than `most` bodies hold a slot besides the waiters whose
+-- turn has come before it. Otherwise its turn: the n-th waiter in line (from 0) gets
+-- lane n % most, after n // most bodies of the average time ahead of it there; a lane
+-- is free when its holder's body is expected to end. Turns keep their order, so a queue
+-- of waiters comes back one by one, not all at once.
+
+local GRACE = 2000000
+-- A guess of a body's time before any body has ended: what the longest-running one has
+-- taken so far, at least this (µs). Too short costs a waiter one more check; too long
+-- would leave slots idle.
+local FIRST_GUESS = 100000
+-- Keys are kept this long (ms) after a write, with the average time they have learnt.
+local KEEP_MS = 86400000
+
+-- The expected turn of the waiter `rank` places back in line under cc.
+local function conc_turn(cc, starts, rank, now)
+  local avg = tonumber(redis.call('ZSCORE', cc.h, '') or 0)
+  if avg <= 0 then
+    avg = FIRST_GUESS
+    if #starts > 0 and now - tonumber(starts[2]) > avg then avg = now - tonumber(starts[2]) end
+  end
+  local lanes = {}
+  for i = 2, #starts, 2 do
+    -- a body past its expected end is expected within an eighth of the average
+    lanes[#lanes + 1] = math.max(tonumber(starts[i]) + avg, now + math.floor(avg / 8))
+  end
+  table.sort(lanes)
+  while #lanes > cc.most do table.remove(lanes, 1) end
+  for _ = #lanes + 1, cc.most do table.insert(lanes, 1, now) end
+  return lanes[rank % cc.most + 1] + math.floor(rank / cc.most) * avg
+end
+
+-- When the call `token` may start under cc: now, or its expected turn. A lost worker's
+-- lapsed slots come back and stale waiters leave the line (when `write`). `waiter`: the
+-- call holds a turn in line (a confirmation), kept in its place.
+local function conc_gate(cc, token, now, waiter, write)
+  local lapsed = redis.call('ZRANGEBYSCORE', cc.h, ENTRY_FLOOR, now)
+  if #lapsed > 0 and write then
+    redis.call('ZREM', cc.s, unpack(lapsed))
+    redis.call('ZREMRANGEBYSCORE', cc.h, ENTRY_FLOOR, now)
+  end
+  if write then redis.call('ZREMRANGEBYSCORE', cc.w, '-inf', '(' .. string.format('%.0f', now - GRACE)) end
+  local starts = redis.call('ZRANGE', cc.s, 0, -1, 'WITHSCORES')
+  local held = #starts / 2 - (write and 0 or #lapsed)
+  local mine = waiter and redis.call('ZSCORE', cc.w, token)
+  -- ahead: the waiters whose turn has come before this call's; rank: its place in line
+  -- (a new call's is at the back)
+  local ahead, rank
+  if mine then
+    rank = redis.call('ZCOUNT', cc.w, now - GRACE, '(' .. mine)
+    ahead = tonumber(mine) <= now and rank or redis.call('ZCOUNT', cc.w, now - GRACE, now)
+  else
+    ahead = redis.call('ZCOUNT', cc.w, now - GRACE, now)
+    rank = redis.call('ZCOUNT', cc.w, now - GRACE, '+inf')
+  end
+  cc.free = cc.most - held - ahead
+  if cc.free > 0 then return now end
+  return conc_turn(cc, starts, rank, now)
+end
+
+local function conc_keep(cc)
+  for _, key in ipairs({cc.h, cc.s, cc.w}) do
+    redis.call('PEXPIRE', key, KEEP_MS + math.ceil(cc.lease / 1000))
+  end
+end
+
+-- The call's body starts at `at`: it takes a slot.
+local function conc_take(cc, token, at)
+  redis.call('ZADD', cc.h, at + cc.lease, token)
+  redis.call('ZADD', cc.s, at, token)
+  redis.call('ZREM', cc.w, token)
+  cc.free = cc.free - 1
+  conc_keep(cc)
+end
+
+-- The call keeps a place in line for its turn at `at`.
+local function conc_wait(cc, token, at)
+  redis.call('ZREM', cc.h, token)
+  redis.call('ZREM', cc.s, token)
+  redis.call('ZADD', cc.w, at, token)
+  conc_keep(cc)
+end
+
+-- The call's body has ended (or will not run): its slot or turn is free again, and the
+-- time it held the slot teaches the average.
+local function conc_release(cc, token, now)
+  redis.call('ZREM', cc.w, token)
+  local start = redis.call('ZSCORE', cc.s, token)
+  if start then
+    local took = now - tonumber(start)
+    local avg = tonumber(redis.call('ZSCORE', cc.h, '') or 0)
+    avg = avg > 0 and avg + (took - avg) / 4 or took
+    redis.call('ZADD', cc.h, math.max(math.floor(avg), 1), '')
+    redis.call('ZREM', cc.h, token)
+    redis.call('ZREM', cc.s, token)
+  end
+  conc_keep(cc)
+end
+
+-- Renew the lease of the call's slot; false if it no longer holds one.
+local function conc_renew(cc, token, now)
+  if not redis.call('ZSCORE', cc.h, token) then return false end
+  redis.call('ZADD', cc.h, now + cc.lease, token)
+  return true
+end

@@ -1,0 +1,281 @@
+-- lib/log.lua — the exact sliding-window log of one limit: opening it (expired entries
+-- pruned), the two searches for an instant, and its writes. Functions of a limit's
+-- state table `k`, which log_open returns:
+--   key, pending  the log and its pending set (reservations whose task has not started)
+--   limit, cost   weight units; member = token, then "." .. cost when cost is not 1
+--   window        where calls are placed: W + g (g: lib/call.lua's guard)
+--   exact         where starts are checked: W + g / 2
+--   total         weight in the window; stale: weight of expired entries still stored
+--   newest, unit, expiry  the meta members: the newest entry's instant, the weight
+--                 every entry has (0 once mixed), when the key's PEXPIRE runs out
+--
+-- The log, a sorted set: one entry per granted or reserved call, score = its instant
+-- (µs, later than now for a reservation). Meta members score below ENTRY_FLOOR, so
+-- range scans over entries never see them; one ZMSCORE reads them all and the entry's
+-- own ZADD writes them: "" the running total weight (expired entries not yet removed
+-- included), "+" minus the newest instant, "=" the uniform weight, "~" minus expiry.
+--
+-- Invariant: in every window (t - W, t] the weight of the entries that count is at most
+-- the limit. A call is placed at s if g(s) + cost <= limit, g(s) being the weight of
+-- every entry later than s - W; g never grows with s, so the earliest such s is where
+-- enough weight has left (log_free_at): retry_after is exact.
+
+local TTL_MARGIN_MS = 1000
+-- At most this many expired entries are removed per call once a log holds more (the
+-- rest on later calls): a burst of 100,000 entries leaving at once would hold Redis
+-- for tens of milliseconds in one call.
+local PRUNE_BATCH = 500
+
+local function weight_of(member)
+  if #member > TOKEN_LEN then return tonumber(string.sub(member, TOKEN_LEN + 2)) end
+  return 1
+end
+
+local function us(x)
+  return string.format('%.0f', x)
+end
+
+-- Prune k's expired entries (count them only, when not `write`): a batch at a time
+-- once the log is long.
+local function log_prune(k, now, write)
+  local key, cutoff = k.key, now - k.window
+  if k.newest <= cutoff and (k.unit == 0 or k.total <= PRUNE_BATCH * k.unit) then
+    -- the whole log has left the window
+    if write then redis.call('DEL', key) end
+    k.total, k.newest, k.expiry, k.unit = 0, 0, 0, 0
+    return
+  end
+  if k.unit > 0 then
+    local gone
+    if write and k.total <= PRUNE_BATCH * k.unit then
+      gone = redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
+      k.dirty = gone > 0
+    else
+      gone = redis.call('ZCOUNT', key, ENTRY_FLOOR, cutoff)
+      if write and gone > 0 then
+        -- a long log: its oldest PRUNE_BATCH expired entries go (up to the score of
+        -- the last of them, by rank), the rest stay stored as `stale` weight
+        local upto = cutoff
+        if gone > PRUNE_BATCH then
+          local edge = redis.call('ZCOUNT', key, '-inf', '(' .. ENTRY_FLOOR) + PRUNE_BATCH - 1
+          upto = redis.call('ZRANGE', key, edge, edge, 'WITHSCORES')[2]
+        end
+        k.stale = (gone - redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, upto)) * k.unit
+        k.dirty = true
+      end
+    end
+    k.total = k.total - gone * k.unit
+  else
+    local old = redis.call('ZRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
+    for j = 1, #old do k.total = k.total - weight_of(old[j]) end
+    if write and #old > 0 then
+      redis.call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
+      k.dirty = true
+    end
+  end
+  if k.total < 0 then k.total = 0 end
+end
+
+-- The state of the log of `spec` ({key, pending, limit, window, cost}, lib/call.lua)
+-- for the call `token`, pruned when `write`.
+local function log_open(spec, token, now, guard, write)
+  local slack = math.min(guard, math.floor(spec.window / 25))
+  local meta = redis.call('ZMSCORE', spec.key, '', '+', '=', '~')
+  local k = {key = spec.key, pending = spec.pending, limit = spec.limit,
+    window = spec.window + slack, exact = spec.window + math.floor(slack / 2),
+    cost = spec.cost, member = spec.cost == 1 and token or token .. '.' .. spec.cost,
+    total = meta[1] and tonumber(meta[1]) or 0, stale = 0, dirty = false,
+    newest = meta[2] and -tonumber(meta[2]) or 0, unit = meta[3] and tonumber(meta[3]) or 0,
+    expiry = meta[4] and -tonumber(meta[4]) or 0}
+  if k.total > 0 then log_prune(k, now, write) end
+  return k
+end
+
+-- Write the call's entry at t with `write` ({score, member, ...} of one ZADD), keeping
+-- the newest-entry and expiry meta members in step in the same ZADD.
+local function log_write(k, t, now, write)
+  if t > k.newest then
+    k.newest = t
+    write[#write + 1] = -t
+    write[#write + 1] = '+'
+  end
+  if t + k.window > k.expiry then
+    local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
+    k.expiry = now + ttl * 1000
+    write[#write + 1] = -k.expiry
+    write[#write + 1] = '~'
+    redis.call('ZADD', k.key, unpack(write))
+    redis.call('PEXPIRE', k.key, ttl)
+  else
+    redis.call('ZADD', k.key, unpack(write))
+  end
+end
+
+-- Add the call's entry at t: its weight joins the running total (and the uniform
+-- weight), in the entry's own ZADD.
+local function log_add(k, t, now)
+  local write = {t, k.member, k.total + k.stale + k.cost, ''}
+  if k.total + k.stale == 0 then
+    write[5], write[6], k.unit = k.cost, '=', k.cost
+  elseif k.unit ~= 0 and k.unit ~= k.cost then
+    write[5], write[6], k.unit = 0, '=', 0
+  end
+  k.total = k.total + k.cost
+  k.dirty = false
+  log_write(k, t, now, write)
+end
+
+-- Move the call's entry (stored) to t.
+local function log_move(k, t, now)
+  local write = {t, k.member}
+  if k.dirty then
+    write[3], write[4] = k.total + k.stale, ''
+    k.dirty = false
+  end
+  log_write(k, t, now, write)
+end
+
+-- Remove the call's entry, stored at instant s (a release, or a start placed anew),
+-- keeping the running total and the newest-entry meta in step.
+local function log_remove(k, s, now)
+  redis.call('ZREM', k.key, k.member)
+  if s > now - k.window then k.total = math.max(k.total - k.cost, 0) end
+  if s >= k.newest then
+    local top = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', ENTRY_FLOOR, 'WITHSCORES', 'LIMIT', 0, 1)
+    k.newest = top[2] and tonumber(top[2]) or 0
+    redis.call('ZADD', k.key, k.total + k.stale, '', -k.newest, '+')
+  else
+    redis.call('ZADD', k.key, k.total + k.stale, '')
+  end
+  k.dirty = false
+end
+
+-- Write back the running total that pruning changed (when no entry was written).
+local function log_flush(k)
+  if k.dirty then
+    redis.call('ZADD', k.key, k.total + k.stale, '')
+    k.dirty = false
+  end
+end
+
+-- Keep the call's pending slot at t (nil: drop it), pruning slots whose window passed.
+local function log_pend(k, t, now)
+  redis.call('ZREMRANGEBYSCORE', k.pending, '-inf', now - k.window)
+  if t == nil then
+    redis.call('ZREM', k.pending, k.member)
+    return
+  end
+  redis.call('ZADD', k.pending, t, k.member)
+  -- only ever extended: the set holds slots further ahead than this one too
+  local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
+  if redis.call('PTTL', k.pending) < ttl then redis.call('PEXPIRE', k.pending, ttl) end
+end
+
+-- The earliest instant at which `excess` weight has left k's (placement) window,
+-- counting every entry. With one weight for all entries, the entry that must leave is
+-- found by its rank; with mixed weights, by walking the window from whichever end is
+-- nearer the answer (a backlog's reservations make `excess` large: from the newest,
+-- the walk covers about a limit's weight).
+local function log_free_at(k, excess, now)
+  if k.unit > 0 then
+    local nth = redis.call('ZCOUNT', k.key, '-inf', us(now - k.window)) + math.ceil(excess / k.unit) - 1
+    local row = redis.call('ZRANGE', k.key, nth, nth, 'WITHSCORES')
+    -- (no such entry: the total disagrees with the entries, as only a hand-edited key
+    -- can; a whole window is always safe)
+    return row[2] and tonumber(row[2]) + k.window or now + k.window
+  end
+  local floor = '(' .. us(now - k.window)
+  local newest = excess > k.total / 2
+  local left = newest and k.total - excess or excess
+  local offset, batch = 0, math.min(math.max(left, 1), 64)
+  while true do
+    local rows
+    if newest then
+      rows = redis.call('ZREVRANGEBYSCORE', k.key, '+inf', floor, 'WITHSCORES', 'LIMIT', offset, batch)
+    else
+      rows = redis.call('ZRANGEBYSCORE', k.key, floor, '+inf', 'WITHSCORES', 'LIMIT', offset, batch)
+    end
+    for j = 1, #rows, 2 do
+      left = left - weight_of(rows[j])
+      if left < 0 or (left == 0 and not newest) then return tonumber(rows[j + 1]) + k.window end
+    end
+    if #rows < 2 * batch then return now + k.window end
+    offset = offset + batch
+    batch = math.min(batch * 2, 1024)
+  end
+end
+
+-- The earliest instant from t0 at which k's cost fits every window around it,
+-- counting what really started: entries later than t0 - exact, less the pending slots
+-- that have not started (due after t0) or were abandoned (overdue by more than a
+-- quarter window), less the call's own entry. Slots due in the last quarter window
+-- still count: their tasks are on their way. Starts held for later than t0 count too,
+-- which errs on the safe side.
+local function log_start_in(k, t0, now, hold)
+  local lo = t0 - k.exact
+  local abandoned = math.floor(now - k.exact / 4)
+  local after = '(' .. us(lo)
+  if k.unit > 0 then
+    local own = redis.call('ZSCORE', k.key, k.member)
+    own = own and tonumber(own)
+    local own_slot = redis.call('ZSCORE', k.pending, k.member)
+    own_slot = own_slot and tonumber(own_slot)
+    if own_slot and (own_slot <= abandoned or own_slot > t0) then own = nil end
+    -- how many entries count in (lo, x]
+    local function counted(x)
+      local upto = x == math.huge and '+inf' or us(x)
+      local n = redis.call('ZCOUNT', k.key, after, upto)
+      if abandoned > lo then
+        n = n - redis.call('ZCOUNT', k.pending, after, x < abandoned and upto or abandoned)
+      end
+      if x > t0 then n = n - redis.call('ZCOUNT', k.pending, '(' .. us(t0), upto) end
+      if own and own > lo and own <= x then n = n - 1 end
+      return n
+    end
+    local excess = counted(math.huge) * k.unit + k.cost - k.limit
+    if excess <= 0 then return t0 end
+    -- the entry whose leaving makes room: the j-th that counts, by a binary search
+    -- over the log's ranks (meta members and older entries rank first)
+    local j = math.ceil(excess / k.unit)
+    local first = redis.call('ZCOUNT', k.key, '-inf', us(lo))
+    local last = redis.call('ZCARD', k.key) - 1
+    while first < last do
+      local mid = math.floor((first + last) / 2)
+      if counted(tonumber(redis.call('ZRANGE', k.key, mid, mid, 'WITHSCORES')[2])) >= j then
+        last = mid
+      else
+        first = mid + 1
+      end
+    end
+    return tonumber(redis.call('ZRANGE', k.key, first, first, 'WITHSCORES')[2]) + k.exact
+  end
+  -- mixed weights: walk the entries up to the last that can have started (a start is
+  -- placed at most `hold` ahead), so a backlog's reservations are not walked
+  local skip = {[k.member] = true}
+  local upto = us(math.max(t0, now + hold))
+  local slots = redis.call('ZRANGEBYSCORE', k.pending, after, upto, 'WITHSCORES')
+  for j = 1, #slots, 2 do
+    local s = tonumber(slots[j + 1])
+    if s <= abandoned or s > t0 then skip[slots[j]] = true end
+  end
+  local rows = redis.call('ZRANGEBYSCORE', k.key, after, upto, 'WITHSCORES')
+  local excess = k.cost - k.limit
+  for j = 1, #rows, 2 do
+    if not skip[rows[j]] then excess = excess + weight_of(rows[j]) end
+  end
+  if excess <= 0 then return t0 end
+  for j = 1, #rows, 2 do
+    if not skip[rows[j]] then
+      excess = excess - weight_of(rows[j])
+      if excess <= 0 then return tonumber(rows[j + 1]) + k.exact end
+    end
+  end
+  return t0
+end
+
+-- Slots of k overdue by more than a quarter window and not started (a copy stuck
+-- behind a flood of messages, or lost): their room may be taken by a call that fits
+-- counting what started.
+local function log_abandoned(k, now)
+  return redis.call('ZCOUNT', k.pending, '(' .. us(now - k.exact), math.floor(now - k.exact / 4))
+end

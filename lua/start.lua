@@ -1,0 +1,103 @@
+-- start.lua — start the call whose token is ARGV[1]: a reserved task that came back for
+-- its slot, or a grant whose reply was read late. The one place the timing rules of a
+-- start live.
+--
+-- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
+--   "reserved"  the token is a reservation a message carries (a deferred task). Not
+--               before its slot (status 3 until then; 6 within `hold`). A token with an
+--               entry but no pending slot was started on already (status 5): this is a
+--               second delivery of the message, which competes anew. A token with
+--               neither (Redis lost it) starts as a late task does.
+--   "granted"   the token is this process's own grant, read too late to start on (a
+--               busy gevent hub, a descheduled process): started from now as a late
+--               reservation is. Its concurrency slots are already held and its key was
+--               not paused when it was granted.
+--
+-- From t0 = max(now, slot), the task starts at the earliest instant its cost fits
+-- every window counting what really started (lib/log.lua, log_start_in); its entry
+-- moves there: now (status 1) or within `hold` (status 6), when that is at most `hold`
+-- / 4 past t0. A late task thus never bunches with the next ones, and an overdue one
+-- starts ahead of the slots still to come when their room is free. Otherwise (status 3)
+-- it is placed as a new reservation would be, counting every entry: taking the next
+-- room that started tasks leave would push the task due there, and that one the next,
+-- a chain of deferrals through the whole backlog; waiting longer in-process would make
+-- every task after a late one wait as long.
+
+--- @include "lib/call.lua"
+--- @include "lib/log.lua"
+--- @include "lib/calendar.lua"
+--- @include "lib/concurrency.lua"
+--- @include "lib/gate.lua"
+--- @include "lib/reply.lua"
+
+local c = read_call(KEYS, ARGV, true)
+local now, hold, reserved = c.now, c.hold, c.flag == 'reserved'
+local pause = read_settings(c)
+local ks = {}
+for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, true) end
+local cals = open_cals(c, true, true)
+-- a grant already holds its concurrency slots, and its key was not paused then
+local gate, gate_by, firm = gate_at(c, reserved and c.concs or {}, cals,
+  reserved and pause or 0, reserved, true)
+
+local function answer(status, at, retry_after, denied_by)
+  for _, k in ipairs(ks) do log_flush(k) end
+  gate_commit(c, cals, status, at)
+  return reply(status, at, retry_after, denied_by, now, ks, cals, c.concs)
+end
+
+if #ks == 0 then
+  -- only aligned and concurrency limits: their gate decides
+  if reserved and #c.concs > 0 and redis.call('ZSCORE', c.concs[1].s, c.token) then
+    return {5, 0, 0, 0, 0, now}
+  end
+  if gate <= now then return answer(1, now, 0, 0) end
+  return answer(3, gate, gate - now, gate_by)
+end
+
+local slot = nil
+if reserved then
+  local k = ks[1]
+  slot = redis.call('ZSCORE', k.pending, k.member)
+  slot = slot and tonumber(slot)
+  if slot and slot - now > hold then return answer(3, slot, slot - now, 0) end
+  if not slot and redis.call('ZSCORE', k.key, k.member) then
+    for _, one in ipairs(ks) do log_flush(one) end
+    return reply(5, now, 0, 0, now, ks, cals, c.concs)
+  end
+end
+
+local t0 = math.max(slot or now, now)
+local start = t0
+for _, k in ipairs(ks) do
+  local s = log_start_in(k, t0, now, hold)
+  if s > start then start = s end
+end
+if gate > now or start - now > hold or start - t0 > hold / 4 then
+  -- no room soon counting what started: placed as a new reservation, not before the gate
+  start = gate
+  for _, k in ipairs(ks) do
+    local own = redis.call('ZSCORE', k.key, k.member)
+    if own then log_remove(k, tonumber(own), now) end
+    local excess = k.total + k.cost - k.limit
+    if excess > 0 then
+      local s = log_free_at(k, excess, now)
+      if s > start then start = s end
+    end
+  end
+end
+if #cals > 0 then start = cal_at(cals, start, now, c.horizon) end
+
+local wait = start - now
+local later = wait > hold or not firm
+for _, k in ipairs(ks) do
+  if redis.call('ZSCORE', k.key, k.member) then
+    log_move(k, start, now)
+  else
+    log_add(k, start, now)
+  end
+  log_pend(k, later and start or nil, now)
+end
+if later then return answer(3, start, wait, 0) end
+if wait > 0 then return answer(6, start, wait, 0) end
+return answer(1, now, 0, 0)
