@@ -60,6 +60,27 @@ return 1
 
 
 FLOOR_SCRIPT = floor_script(200_000)
+#: The seed algorithm, bare: a sliding log of one weight, no meta, no settings.
+SEED_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, now - 200000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], 1200)
+return 1
+"""
+#: What the contract needs on top of the seed: the key's settings (a pause, a rate
+#: override: every decision reads them), the running total of weights (cost 1000 costs
+#: what cost 1 does), and the entry written with the total and the newest instant.
+CONTRACT_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('HMGET', KEYS[2], 'pause', 'rate')
+local meta = redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
+local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 200000)
+redis.call('ZADD', KEYS[1], now, ARGV[1], (tonumber(meta[1]) or 0) - gone + 1, '', -now, '+')
+return {1, 0, 0, 0, 0, now}
+"""
 ROUNDS = 15
 CALLS = 2_000
 
@@ -185,28 +206,38 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
         "bound: EVALSHA of 'return 1'": client.register_script(NOOP_SCRIPT),
         "floor3: TIME+ZMSCORE+ZADD": client.register_script(FLOOR3_SCRIPT),
         "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD": client.register_script(FLOOR_SCRIPT),
+        "seed: TIME+ZREMRANGEBYSCORE+ZADD+PEXPIRE": client.register_script(SEED_SCRIPT),
+        "contract: seed + settings + running total": client.register_script(CONTRACT_SCRIPT),
     }
     # The pruning floor runs on a log of its own in the steady state ours is measured in
     # (full, an entry leaving the window per call); the others on a fresh key each round
     # (FLOOR3 never prunes).
-    steady = "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"
-    deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:
-        floors[steady](keys=["floor-steady"], args=[os.urandom(8)])
+    steady = {
+        "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD": "{floor}-steady",
+        "seed: TIME+ZREMRANGEBYSCORE+ZADD+PEXPIRE": "{floor}-seed",
+        "contract: seed + settings + running total": "{floor}-contract",
+    }
+    for name, key in steady.items():
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            floors[name](keys=[key, key + ":settings"], args=[os.urandom(8)])
     floor_samples: dict[str, list[float]] = {name: [] for name in floors}
     for _ in range(rounds):
         for name, script in floors.items():
-            key = "floor-steady" if name == steady else "floor"
-            if name != steady:
+            key = steady.get(name, "{floor}")
+            if name not in steady:
                 client.delete(key)
             client.config_resetstat()
             for _ in range(calls):
-                script(keys=[key], args=[os.urandom(8)])
+                script(keys=[key, key + ":settings"], args=[os.urandom(8)])
             floor_samples[name].append(_evalsha_usec(client)[0])
     for name, values in floor_samples.items():
         out[name] = {"usec_per_call": round(statistics.median(values), 2)}
     floor_us = out["floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD"]["usec_per_call"]
     out["cost 1 / floor"] = round(out["cost 1"]["usec_per_call"] / floor_us, 3)
+    for name in ("seed", "contract"):
+        bound = next(v for k, v in out.items() if k.startswith(name + ":"))
+        out[f"cost 1 / {name}"] = round(out["cost 1"]["usec_per_call"] / bound["usec_per_call"], 3)
     out["cost 1000 / cost 1"] = round(
         out["cost 1000"]["usec_per_call"] / out["cost 1"]["usec_per_call"], 3
     )

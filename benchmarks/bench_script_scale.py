@@ -4,9 +4,8 @@ For limits of 10 to 100,000 per 30 s, the log is filled to the limit (a full win
 a saturated key keeps it), 10,000 reservations are made after it (their tasks not yet
 started, as a backlog leaves them), then each script path is called and timed by the
 limiter's Redis itself (``INFO commandstats``, microseconds per ``EVALSHA``): an
-acquisition that is denied, a reservation, a start of a task whose slot was lost (mode 3
-from now, the path of every late or overdue start), a restamp of a granted call (mode
-5), a release of a reservation, and a peek. Every entry weighs 1 (the script counts
+acquisition that is denied, a reservation, a start of a task whose slot was lost (from
+now, the path of every late or overdue start), a restamp of a granted call, a release of a reservation, and a peek. Every entry weighs 1 (the script counts
 and ranks); then the same with weights 1 and 2 mixed, whose counts are walks. The figure
 to read is each path's time at a limit of 100,000 over its time at 100.
 """
@@ -22,10 +21,12 @@ import redis
 
 from benchmarks.bench_celery import RESULTS
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._base import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
 from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._scripts import MAX_HORIZON, Shape
+from celery_ratelimit._scripts import MAX_HORIZON, shape
 
+#: Each call timed: the entry script and its flag (see each ``lua/*.lua`` header).
+ACQUIRE, RESERVE, PEEK = ("acquire", "now"), ("acquire", "reserve"), ("acquire", "peek")
+CONFIRM, RESTAMP, RELEASE = ("start", "reserved"), ("start", "granted"), ("release", "log")
 LIMITS = (10, 100, 1_000, 10_000, 100_000)
 PENDING = 10_000
 CALLS = 200
@@ -36,17 +37,18 @@ def _send(
     client: redis.Redis,
     limiter: Limiter,
     limit: Limit,
-    calls: list[tuple[int, int, bytes]],
+    calls: list[tuple[tuple[str, str], int, bytes]],
 ) -> list[Any]:
-    """Pipelined script calls (mode, cost, token) on ``limit``'s key; their replies."""
-    sha = limiter._scripts["log"].sha
-    every = limiter._every(limiter.keys_for("scale", (limit,)), (limit,))
+    """Pipelined script calls ((script, flag), cost, token) on ``limit``'s key; their
+    replies."""
     replies: list[Any] = []
     for start in range(0, len(calls), BATCH):
         pipe = client.pipeline(transaction=False)
-        for mode, cost, token in calls[start : start + BATCH]:
-            numbers = Shape((limit,), cost, mode, MAX_HORIZON, 0.03, 0.2).numbers
-            pipe.evalsha(sha, len(every), *every, token, numbers)
+        for (script, flag), cost, token in calls[start : start + BATCH]:
+            options = shape((limit,), cost, MAX_HORIZON, 0.03, 0.2)
+            call = limiter._decision_call(script, flag, "scale", options, token.hex())
+            sha = limiter._scripts[script].sha
+            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
         replies += pipe.execute()
     return replies
 
@@ -97,13 +99,13 @@ def one_limit(client: redis.Redis, limiter: Limiter, size: int, mixed: bool) -> 
                 client, limiter, limit, [(RESERVE, cost(i), os.urandom(8)) for i in range(CALLS)]
             ),
         ),
-        "start, slot lost (mode 3)": _timed(
+        "start, slot lost": _timed(
             client,
             lambda: _send(
                 client, limiter, limit, [(CONFIRM, cost(i), os.urandom(8)) for i in range(CALLS)]
             ),
         ),
-        "restamp (mode 5)": _timed(
+        "restamp": _timed(
             client,
             lambda: _send(
                 client,

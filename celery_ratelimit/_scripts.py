@@ -45,10 +45,14 @@ DEFAULT_HORIZON = 3600.0
 
 @cache
 def source(name: str) -> str:
-    """The script ``lua/<name>.lua``, its ``@include`` lines replaced by those files."""
+    """The script ``lua/<name>.lua``, its ``@include`` lines replaced by those files (and
+    theirs: ``lib/gate.lua`` includes the functions it builds)."""
     if name not in NAMES:
         raise KeyError(name)
-    return _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), _read(f"{name}.lua"))
+    text = _read(f"{name}.lua")
+    while _INCLUDE.search(text):
+        text = _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), text)
+    return text
 
 
 def _read(filename: str) -> str:

@@ -14,25 +14,27 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
---- @include "lib/calendar.lua"
---- @include "lib/concurrency.lua"
+--- @include "lib/log_search.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
 local c = read_call(KEYS, ARGV, true)
 local now, write = c.now, c.flag ~= 'peek'
-local pause = read_settings(c)
-local ks = {}
+local gate, gate_by = read_settings(c)
+local ks, cals, firm = {}, {}, true
 for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
-local cals = open_cals(c, write, false)
-local gate, gate_by, firm = gate_at(c, c.concs, cals, pause, false, write)
+local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
+if lib then
+  cals = lib.open_cals(c, write, false)
+  gate, gate_by, firm = lib.at(c, c.concs, cals, gate, gate_by, false, write)
+end
 
 local function answer(status, at, retry_after, denied_by)
   if write then
     for _, k in ipairs(ks) do log_flush(k) end
-    gate_commit(c, cals, status, at)
+    if lib then lib.commit(c, cals, status, at) end
   end
-  return reply(status, at, retry_after, denied_by, now, ks, cals, c.concs)
+  return reply(status, at, retry_after, denied_by, now, ks, lib, cals, c.concs)
 end
 
 if gate == now then
@@ -62,7 +64,7 @@ for i, k in ipairs(ks) do
 end
 if gate > at then at, denied_by = gate, gate_by end
 if #cals > 0 then
-  local s, by = cal_at(cals, at, now, c.horizon)
+  local s, by = lib.cal_at(cals, at, now, c.horizon)
   if s > at then at, denied_by = s, #ks + by end
 end
 

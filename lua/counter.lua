@@ -16,8 +16,6 @@
 -- (the p term shrinks linearly), else in the next window, where c becomes p.
 
 --- @include "lib/call.lua"
---- @include "lib/calendar.lua"
---- @include "lib/concurrency.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
@@ -25,9 +23,13 @@ local TTL_MARGIN_MS = 1000
 
 local c = read_call(KEYS, ARGV, false)
 local now, write = c.now, c.flag ~= 'peek'
-local pause = read_settings(c)
-local cals = open_cals(c, write, false)
-local gate, gate_by = gate_at(c, c.concs, cals, pause, false, write)
+local gate, gate_by = read_settings(c)
+local cals = {}
+local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
+if lib then
+  cals = lib.open_cals(c, write, false)
+  gate, gate_by = lib.at(c, c.concs, cals, gate, gate_by, false, write)
+end
 
 -- Each limit's windows now, and the instant its cost fits.
 local at, denied_by, remaining, reset = now, 0, nil, 0
@@ -67,13 +69,13 @@ for i, spec in ipairs(c.logs) do
 end
 if gate > at then at, denied_by = gate, gate_by end
 if #cals > 0 then
-  local s, by = cal_at(cals, at, now, c.horizon)
+  local s, by = lib.cal_at(cals, at, now, c.horizon)
   if s > at then at, denied_by = s, #c.logs + by end
 end
 
 if denied_by ~= 0 or not write then
   local status = denied_by == 0 and 1 or 0
-  return reply(status, now, at - now, denied_by, now, {}, cals, c.concs, {remaining, reset})
+  return reply(status, now, at - now, denied_by, now, {}, lib, cals, c.concs, {remaining, reset})
 end
 
 remaining = nil
@@ -88,5 +90,5 @@ for i, spec in ipairs(c.logs) do
   local free = math.floor(spec.limit - estimate)
   if remaining == nil or free < remaining then remaining = free end
 end
-gate_commit(c, cals, 1, now)
-return reply(1, now, 0, 0, now, {}, cals, c.concs, {remaining, reset})
+if lib then lib.commit(c, cals, 1, now) end
+return reply(1, now, 0, 0, now, {}, lib, cals, c.concs, {remaining, reset})

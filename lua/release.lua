@@ -8,8 +8,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
---- @include "lib/calendar.lua"
---- @include "lib/concurrency.lua"
+--- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
 local log = ARGV[2] == 'log'
@@ -27,9 +26,12 @@ if log then
     ks[i] = k
   end
 end
-for j, spec in ipairs(c.cals) do
-  cals[j] = cal_open(spec, c.token, now, true, true)
-  cal_release(cals[j], now)
+local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
+if lib then
+  for j, spec in ipairs(c.cals) do
+    cals[j] = lib.cal_open(spec, c.token, now, true, true)
+    lib.cal_release(cals[j], now)
+  end
+  for _, cc in ipairs(c.concs) do lib.conc_release(cc, c.token, now) end
 end
-for _, cc in ipairs(c.concs) do conc_release(cc, c.token, now) end
-return reply(4, now, 0, 0, now, ks, cals, c.concs)
+return reply(4, now, 0, 0, now, ks, lib, cals, c.concs)

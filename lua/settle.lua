@@ -12,7 +12,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
---- @include "lib/calendar.lua"
+--- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
 local log = ARGV[2] == 'log'
@@ -56,8 +56,9 @@ for i, spec in ipairs(c.logs) do
     if counted == nil or free < counted[1] then counted = {free, 0} end
   end
 end
+local lib = #c.cals > 0 and gate_lib() or nil
 for j, spec in ipairs(c.cals) do
-  cals[j] = cal_open(spec, token, now, false, false)
-  if cal_settle(cals[j], tonumber(ARGV[c.rest + #c.logs + j - 1]), token) then found = true end
+  cals[j] = lib.cal_open(spec, token, now, false, false)
+  if lib.cal_settle(cals[j], tonumber(ARGV[c.rest + #c.logs + j - 1]), token) then found = true end
 end
-return reply(found and 7 or 0, now, 0, 0, now, ks, cals, {}, counted)
+return reply(found and 7 or 0, now, 0, 0, now, ks, lib, cals, {}, counted)

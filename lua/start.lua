@@ -25,25 +25,27 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
---- @include "lib/calendar.lua"
---- @include "lib/concurrency.lua"
+--- @include "lib/log_search.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
 local c = read_call(KEYS, ARGV, true)
 local now, hold, reserved = c.now, c.hold, c.flag == 'reserved'
-local pause = read_settings(c)
-local ks = {}
+local gate, gate_by = read_settings(c)
+if not reserved then gate, gate_by = now, 0 end  -- a grant's key was not paused then
+local ks, cals, firm = {}, {}, true
 for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, true) end
-local cals = open_cals(c, true, true)
--- a grant already holds its concurrency slots, and its key was not paused then
-local gate, gate_by, firm = gate_at(c, reserved and c.concs or {}, cals,
-  reserved and pause or 0, reserved, true)
+local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
+if lib then
+  cals = lib.open_cals(c, true, true)
+  -- a grant already holds its concurrency slots
+  gate, gate_by, firm = lib.at(c, reserved and c.concs or {}, cals, gate, gate_by, reserved, true)
+end
 
 local function answer(status, at, retry_after, denied_by)
   for _, k in ipairs(ks) do log_flush(k) end
-  gate_commit(c, cals, status, at)
-  return reply(status, at, retry_after, denied_by, now, ks, cals, c.concs)
+  if lib then lib.commit(c, cals, status, at) end
+  return reply(status, at, retry_after, denied_by, now, ks, lib, cals, c.concs)
 end
 
 if #ks == 0 then
@@ -63,7 +65,7 @@ if reserved then
   if slot and slot - now > hold then return answer(3, slot, slot - now, 0) end
   if not slot and redis.call('ZSCORE', k.key, k.member) then
     for _, one in ipairs(ks) do log_flush(one) end
-    return reply(5, now, 0, 0, now, ks, cals, c.concs)
+    return reply(5, now, 0, 0, now, ks, lib, cals, c.concs)
   end
 end
 
@@ -86,7 +88,7 @@ if gate > now or start - now > hold or start - t0 > hold / 4 then
     end
   end
 end
-if #cals > 0 then start = cal_at(cals, start, now, c.horizon) end
+if #cals > 0 then start = lib.cal_at(cals, start, now, c.horizon) end
 
 local wait = start - now
 local later = wait > hold or not firm

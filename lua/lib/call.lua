@@ -72,28 +72,26 @@ local function read_call(keys, argv, pending)
   return c
 end
 
--- Read the settings hashes of the call's keys: returns until when (µs) any of them is
--- paused (0: none), and puts each rate override in force into the limit it applies
--- to — a limit of the same window, or any window when the limit is the only rate
+-- Read the settings hashes of the call's keys: returns the earliest instant the call
+-- may start at as far as a pause of any of them says (now if none) and the index of a
+-- pause in replies (0: none); and puts each rate override in force into the limit it
+-- applies to — a limit of the same window, or any window when the limit is the only rate
 -- limit of its key in the call. An aligned limit takes only an override of its own
 -- window (its windows are the calendar's). A cost above the new limit counts as the
 -- whole limit: the call runs alone in its window rather than never.
 local function read_settings(c)
-  local paused = 0
-  local rates = {}
-  for _, spec in ipairs(c.logs) do rates[#rates + 1] = spec end
-  for _, spec in ipairs(c.cals) do rates[#rates + 1] = spec end
+  local gate, by, n = c.now, 0, #c.logs
   for i, key in ipairs(c.settings) do
     local s = redis.call('HMGET', key, 'pause', 'rate')
     local until_us = tonumber(s[1] or 0)
-    if until_us > paused then paused = until_us end
-    local spec = rates[i]
+    if until_us > gate then gate, by = until_us, c.paused_by end
+    local spec = i <= n and c.logs[i] or c.cals[i - n]
     if s[2] and spec then
       local l, w, u = string.match(s[2], '^(%d+) (%d+) (%d+)$')
       if l and (tonumber(u) == 0 or tonumber(u) > c.now) then
         l, w = tonumber(l), tonumber(w)
         local alone = true
-        for j = 1, #rates do
+        for j = 1, n + #c.cals do
           if j ~= i and c.settings[j] == key then alone = false end
         end
         if w == spec.window or (alone and not spec.b) then
@@ -102,6 +100,5 @@ local function read_settings(c)
       end
     end
   end
-  if paused <= c.now then paused = 0 end
-  return paused
+  return gate, by
 end

@@ -1,6 +1,12 @@
--- lib/gate.lua — what holds a call back besides its sliding rate limits: a pause of its
--- keys, its concurrency limits' turns and its aligned limits' windows; and what its
--- answer writes to them. Included after lib/concurrency.lua and lib/calendar.lua.
+-- lib/gate.lua — what holds a call back besides its sliding rate limits and a pause: its
+-- concurrency limits' turns and its aligned limits' windows, and what the answer writes
+-- to them. gate_lib() builds these functions (with lib/calendar.lua's and
+-- lib/concurrency.lua's) and returns them; a script calls it only for a call that
+-- declares such limits, so a plain rate limit pays for none of it.
+
+local function gate_lib()
+--- @include "lib/calendar.lua"
+--- @include "lib/concurrency.lua"
 
 -- The aligned limits' states of the call `c` (lib/call.lua).
 local function open_cals(c, write, own)
@@ -9,14 +15,13 @@ local function open_cals(c, write, own)
   return cals
 end
 
--- The earliest instant the call may start at as far as a pause (until `pause`, 0: none),
--- the concurrency limits `concs` and the aligned limits `cals` say; the index of the limit that
--- set it (lib/call.lua's denied_by, 0: none); and whether that instant is firm (a
--- concurrency turn is only expected: it is confirmed again when it comes). `waiter`: the
--- call holds a turn in line.
-local function gate_at(c, concs, cals, pause, waiter, write)
-  local gate, by, firm = c.now, 0, true
-  if pause > gate then gate, by = pause, c.paused_by end
+-- The earliest instant from `gate` (set by limit `by`) the call may start at as far as
+-- the concurrency limits `concs` and the aligned limits `cals` say; the index of the
+-- limit that set it (lib/call.lua's denied_by, 0: none); and whether that instant is
+-- firm (a concurrency turn is only expected: it is confirmed again when it comes).
+-- `waiter`: the call holds a turn in line.
+local function gate_at(c, concs, cals, gate, by, waiter, write)
+  local firm = true
   for j, cc in ipairs(concs) do
     local at = conc_gate(cc, c.token, c.now, waiter, write)
     if at > gate then gate, by, firm = at, #c.logs + #c.cals + j, false end
@@ -42,4 +47,9 @@ local function gate_commit(c, cals, status, at)
   if status == 1 or status == 2 or status == 3 or status == 6 then
     for _, cal in ipairs(cals) do cal_count(cal, at, c.now) end
   end
+end
+
+return {open_cals = open_cals, at = gate_at, commit = gate_commit, cal_at = cal_at,
+  cal_open = cal_open, cal_release = cal_release, cal_settle = cal_settle,
+  cal_state = cal_state, conc_release = conc_release, conc_renew = conc_renew}
 end

@@ -1,10 +1,10 @@
 -- lib/reply.lua — a decision's reply (see lib/call.lua), folded from the state of every
--- limit of the call; included last, after the libraries whose state it reads.
+-- limit of the call.
 
 -- The reply, with `remaining` and `reset_after` folded from every limit's state:
--- `logs` (lib/log.lua), `cals` (lib/calendar.lua), `concs` (lib/concurrency.lua); a
--- sliding limit of the counter gives its own (`counted`: {remaining, reset} or nil).
-local function reply(status, at, retry_after, denied_by, now, logs, cals, concs, counted)
+-- `logs` (lib/log.lua), `cals` and `concs` (read with `lib`, lib/gate.lua, when there are
+-- any); the counter gives its own (`counted`: {remaining, reset} or nil).
+local function reply(status, at, retry_after, denied_by, now, logs, lib, cals, concs, counted)
   local remaining, reset = nil, 0
   if counted then remaining, reset = counted[1], counted[2] end
   for _, k in ipairs(logs) do
@@ -13,7 +13,7 @@ local function reply(status, at, retry_after, denied_by, now, logs, cals, concs,
     if k.total > 0 and k.newest + k.window - now > reset then reset = k.newest + k.window - now end
   end
   for _, cal in ipairs(cals) do
-    local free, r = cal_state(cal, now)
+    local free, r = lib.cal_state(cal, now)
     if remaining == nil or free < remaining then remaining = free end
     if r > reset then reset = r end
   end
