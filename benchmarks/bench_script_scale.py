@@ -5,9 +5,10 @@ a saturated key keeps it), 10,000 reservations are made after it (their tasks no
 started, as a backlog leaves them), then each script path is called and timed by the
 limiter's Redis itself (``INFO commandstats``, microseconds per ``EVALSHA``): an
 acquisition that is denied, a reservation, a start of a task whose slot was lost (from
-now, the path of every late or overdue start), a restamp of a granted call, a release of a reservation, and a peek. Every entry weighs 1 (the script counts
-and ranks); then the same with weights 1 and 2 mixed, whose counts are walks. The figure
-to read is each path's time at a limit of 100,000 over its time at 100.
+now, the path of every late or overdue start), a restamp of a granted call, a release
+of a reservation, and a peek. Every entry weighs 1 (the script counts and ranks); then
+the same with weights 1 and 2 mixed, whose counts are walks. The figure to read is each
+path's time at a limit of 100,000 over its time at 100.
 """
 
 from __future__ import annotations
