@@ -22,7 +22,7 @@ from ._client import redacted
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable
 from ._failures import never_reached
 from ._park import limited
-from ._settings import DEFAULT_REDIS_URL, limiter_for, redis_url, setting
+from ._settings import limiter_for, redis_url, redis_url_source, setting
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -42,13 +42,7 @@ def check_at_start(app: Any) -> None:
 
 def unreachable_message(app: Any, exc: LimiterUnavailable) -> str:
     """What to tell about a limiter URL where no server answered."""
-    url = redis_url(app)
-    if setting("ratelimit_redis_url", app):
-        source = "from ratelimit_redis_url"
-    elif url == DEFAULT_REDIS_URL:
-        source = "ratelimit_redis_url is not set: the default"
-    else:
-        source = "ratelimit_redis_url is not set: the broker's URL"
+    url, source = redis_url(app), redis_url_source(app)
     policy = setting("ratelimit_on_redis_error", app)
     return (
         f"nothing answered at the limiter's Redis URL {redacted(url)} ({source}) "
