@@ -56,7 +56,10 @@ def task_proxy_parts(proxy: Any) -> ProxyParts | None:
     if PUBLIC_ONLY:
         return None
     try:
-        args = object.__getattribute__(proxy, "_Proxy__args")
+        try:
+            args = object.__getattribute__(proxy, "_Proxy__args")
+        except AttributeError:
+            args = ()
         if args:  # @app.task: PromiseProxy(app._task_from_fun, (fun,), options)
             options = object.__getattribute__(proxy, "_Proxy__kwargs")
             function, name, bind = args[0], options.get("name"), bool(options.get("bind"))

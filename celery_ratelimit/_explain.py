@@ -127,7 +127,8 @@ def binding_error(
     task: Any, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> str | None:
     """Why ``task(*args, **kwargs)`` cannot be called (the arguments do not fit its
-    signature: Celery refuses such a call when it is sent), or None."""
+    signature: Celery refuses such a call when it is sent, or with ``typing=False``
+    the worker fails it), or None."""
     try:
         signature = inspect.signature(task.run).replace(return_annotation=inspect.Signature.empty)
     except (TypeError, ValueError):
@@ -135,7 +136,8 @@ def binding_error(
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
-        return f"Celery would refuse this call: its arguments do not fit {name}{signature}: {exc}"
+        who = "Celery would refuse" if getattr(task, "typing", True) else "a worker would fail"
+        return f"{who} this call: its arguments do not fit {name}{signature}: {exc}"
     return None
 
 
