@@ -10,6 +10,7 @@ Public API::
 
 from __future__ import annotations
 
+from . import _startup  # noqa: F401  (connects the limiter's check at worker_ready)
 from ._async import AsyncLimiter
 from ._decision import Decision
 from ._decorator import ratelimit

@@ -30,6 +30,7 @@ from ._limiter import Limiter
 from ._metrics import metrics_for, send_deferral_event
 from ._park import park
 from ._plan import Plan
+from ._quiet import deferral
 from ._settings import limiter_for, park_after, setting
 from ._slots import Held, hold
 
@@ -280,7 +281,8 @@ class Check:
             new_slot = bool(token) and token != getattr(request, TOKEN_HEADER, None)
             self.metrics.deferral(self.plan.limits, denied_by, new_slot)
         send_deferral_event(task, keys, countdown, deferrals + 1, bool(token), why)
-        raise Retry(reason, when=countdown, sig=signature)
+        # Celery's own retry line for it is left out (see _quiet): ours says more
+        raise deferral(request.id, Retry(reason, when=countdown, sig=signature))
 
     def copy(self, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:
         """The signature of this task published again, due ``countdown`` from now."""

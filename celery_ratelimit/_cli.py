@@ -9,14 +9,15 @@ prefix and declared limits) or ``--url``/``--prefix``; ``explain`` needs the app
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._base import DEFAULT_PREFIX
-from ._exceptions import RateLimitError
-from ._limiter import Limiter
+from ._exceptions import InvalidLimit, LimiterMisconfigured, LimiterUnavailable, RateLimitError
+from ._limiter import REDIS_ERRORS, Limiter
 from ._rate import Rate
 
 
@@ -92,15 +93,46 @@ def load_app(spec: str) -> Any:
 
 
 def limiter_from(app: Any, url: str | None, prefix: str | None) -> Limiter:
-    """A limiter for the app's Redis and prefix, overridden by ``url`` / ``prefix``."""
+    """A limiter for the app's Redis and prefix, overridden by ``url`` / ``prefix``.
+
+    Raises:
+        InvalidLimit: not a Redis URL, naming the option it came from.
+    """
     from ._settings import redis_url, setting
 
     if app is None and url is None:
         raise SystemExit("give the app (-A proj) or the Redis URL (--url redis://...)")
-    return Limiter.from_url(
-        url or redis_url(app),
-        prefix=prefix or (setting("ratelimit_key_prefix", app) if app else DEFAULT_PREFIX),
-    )
+    try:
+        return Limiter.from_url(
+            url or redis_url(app),
+            prefix=prefix or (setting("ratelimit_key_prefix", app) if app else DEFAULT_PREFIX),
+        )
+    except InvalidLimit as exc:
+        raise _named(exc, app, url) from exc
+
+
+@contextlib.contextmanager
+def url_named(app: Any, url: str | None) -> Iterator[None]:
+    """A failure of the limiter's Redis names the option its URL came from."""
+    try:
+        yield
+    except (LimiterUnavailable, LimiterMisconfigured) as exc:
+        raise _named(exc, app, url) from exc
+
+
+def _named(exc: RateLimitError, app: Any, url: str | None) -> RateLimitError:
+    """``exc`` naming where the Redis URL came from: ``--url`` when given (the
+    library's messages name ``ratelimit_redis_url``, the app's setting, not used then)."""
+    from ._settings import redis_url_source
+
+    if url:
+        text = str(exc).replace("ratelimit_redis_url", "--url")
+        source = "from --url"
+    else:
+        text, source = str(exc), redis_url_source(app)
+    if "--url" not in text and "ratelimit_redis_url" not in text:
+        text = f"{text} (the Redis URL {source})"
+    return type(exc)(text)
 
 
 def run_status(app: Any, url: str | None, prefix: str | None, match: str | None) -> list[str]:
@@ -108,11 +140,13 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
 
     limiter = limiter_from(app, url, prefix)
     try:
-        known = _ops.known_limits(app) if app is not None else []
-        guard = _ops.guard_for_app(app) if app is not None else 0.0
-        rows = _ops.status(limiter, known, guard=guard, match=match)
+        with url_named(app, url):
+            known = _ops.known_limits(app) if app is not None else []
+            guard = _ops.guard_for_app(app) if app is not None else 0.0
+            rows = _ops.status(limiter, known, guard=guard, match=match)
+            settings = _ops.key_settings(limiter, match)
         lines = _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
-        return lines + _ops.format_settings(_ops.key_settings(limiter, match))
+        return lines + _ops.format_settings(settings)
     finally:
         limiter.client.close()
 
@@ -121,7 +155,8 @@ def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[s
 
     limiter = limiter_from(app, url, prefix)
     try:
-        deleted = limiter.reset(key)
+        with url_named(app, url):
+            deleted = limiter.reset(key)
     finally:
         limiter.client.close()
     if not deleted:
@@ -135,13 +170,33 @@ def run_set(
     """``set KEY RATE [--ttl]`` (``rate`` None: ``unset KEY``)."""
     limiter = limiter_from(app, url, prefix)
     try:
-        limiter.override(key, rate, ttl=ttl)
+        with url_named(app, url):
+            # read just before it goes, to say whether there was one
+            before = override_of(limiter, key) if rate is None else None
+            limiter.override(key, rate, ttl=ttl)
     finally:
         limiter.client.close()
+    if rate is None and before is None:
+        return [f"{key}: there was no override to remove; its calls' own rates apply"]
     if rate is None:
-        return [f"{key}: no override; its calls' own rates apply"]
+        return [f"{key}: override {before} removed; its calls' own rates apply again"]
     lasts = "until unset" if ttl is None else f"for {ttl:g}s"
     return [f"{key}: {Rate.parse(rate)} on every worker from its next decision, {lasts}"]
+
+
+def override_of(limiter: Limiter, key: str) -> Rate | None:
+    """The rate override in force for ``key``, if any."""
+    from ._keys import escape_key
+    from ._layout import RATE_FIELD, parse_override, settings_key
+    from ._ops import server_now_us
+
+    try:
+        now = server_now_us(limiter.client)
+        value = limiter.client.hget(settings_key(limiter.prefix, escape_key(key)), RATE_FIELD)
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "an override read") from exc
+    found = parse_override(value, now)
+    return None if found is None else Rate(found[0], found[1])
 
 
 def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:

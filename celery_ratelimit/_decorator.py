@@ -10,6 +10,7 @@ from celery.local import PromiseProxy, Proxy
 
 from . import _compat
 from ._limit import Concurrency, CostFunc, KeyFunc, Limit, LimitSpec, RateFunc, to_limits
+from ._plan import check_function_fields
 from ._settings import setting
 from ._task import wrap_before_start
 
@@ -38,7 +39,8 @@ def ratelimit(
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).
 
-    The limits are validated here, when the module is imported.
+    The limits are validated here, when the module is imported, and so are the key
+    templates, against the task function's signature.
 
     Raises:
         InvalidRate, InvalidLimit, TypeError: bad rate, key, cost or option.
@@ -74,6 +76,10 @@ def ratelimit(
         # type(), not isinstance(): a proxy answers isinstance() for what it stands for,
         # which would build a task (or fail) before its app is ready
         kind = type(task)
+        if issubclass(kind, Proxy):
+            parts = _compat.task_proxy_parts(task)
+            if parts is not None:  # else checked when Celery builds the task
+                check_function_fields(parts, limits)
         if issubclass(kind, PromiseProxy):
             # @app.task: attach once Celery builds the task (now, if it has)
             proxy: Any = task

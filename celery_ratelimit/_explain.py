@@ -3,6 +3,7 @@ decision, resolved as a worker would (nothing is counted)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,12 +85,15 @@ def explain(
     plan = plan_for(task)
     if plan is None:
         result.source = "none: this task is not rate limited"
+    else:
+        result.source = (
+            "app.conf.ratelimit_rules (install)"
+            if type(task).__dict__.get("_ratelimit_from_rules")
+            else "the task's ratelimit option"
+        )
+    result.error = binding_error(task, task_name, result.args, kwargs)
+    if plan is None or result.error:
         return result
-    result.source = (
-        "app.conf.ratelimit_rules (install)"
-        if type(task).__dict__.get("_ratelimit_from_rules")
-        else "the task's ratelimit option"
-    )
     try:
         keys, costs, limits = plan.resolve(tuple(args), kwargs)
     except (InvalidLimit, TypeError) as exc:
@@ -118,6 +122,24 @@ def explain(
     finally:
         limiter.client.close()
     return result
+
+
+def binding_error(
+    task: Any, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str | None:
+    """Why ``task(*args, **kwargs)`` cannot be called (the arguments do not fit its
+    signature: Celery refuses such a call when it is sent, or with ``typing=False``
+    the worker fails it), or None."""
+    try:
+        signature = inspect.signature(task.run).replace(return_annotation=inspect.Signature.empty)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        who = "Celery would refuse" if getattr(task, "typing", True) else "a worker would fail"
+        return f"{who} this call: its arguments do not fit {name}{signature}: {exc}"
+    return None
 
 
 def _call(task: str, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str:

@@ -130,6 +130,16 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
     return LimiterMisconfigured(f"Redis rejected the limiter's command during {doing}: {text}")
 
 
+def never_reached(exc: BaseException) -> bool:
+    """Did the limiter's call fail before any server answered (a connection refused or
+    timed out, a host name unknown)? ``exc`` is the library's error, chained from
+    redis-py's. A server that answered ``LOADING`` was reached."""
+    cause = exc.__cause__
+    return isinstance(cause, (errors.ConnectionError, errors.TimeoutError)) and not isinstance(
+        cause, errors.BusyLoadingError
+    )
+
+
 def version_error(version: str) -> LimiterMisconfigured | None:
     """The error for a server of ``version`` (``INFO``'s ``redis_version``), if too old."""
     try:

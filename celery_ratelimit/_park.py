@@ -211,7 +211,7 @@ class Mover(threading.Thread):
 _movers: dict[int, Mover] = {}
 
 
-def _limited(app: Any) -> bool:
+def limited(app: Any) -> bool:
     """Does any task of ``app`` have a rate limit (its own, or from the rules)?"""
     if setting("ratelimit_rules", app):
         return True
@@ -221,7 +221,7 @@ def _limited(app: Any) -> bool:
 def _start_mover(sender: Any = None, **_: Any) -> None:
     """``worker_ready``: start this node's mover, if the node runs rate-limited tasks."""
     app = getattr(sender, "app", None)
-    if app is None or os.getpid() in _movers or not _limited(app):
+    if app is None or os.getpid() in _movers or not limited(app):
         return
     if park_after(app) is None:
         return  # an app-wide setting: no node parks
@@ -239,4 +239,4 @@ def _stop_mover(**_: Any) -> None:
 signals.worker_ready.connect(_start_mover, weak=False)
 signals.worker_shutdown.connect(_stop_mover, weak=False)
 
-__all__ = ["LEAD", "LEASE", "Mover", "move_once", "park", "park_calls", "park_keys"]
+__all__ = ["LEAD", "LEASE", "Mover", "limited", "move_once", "park", "park_calls", "park_keys"]

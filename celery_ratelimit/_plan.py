@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ._compat import ProxyParts
 from ._exceptions import InvalidLimit, InvalidRate
 from ._keys import escape_key, render
 from ._limit import AnyLimit, Concurrency, Limit, check_cost, to_limits
@@ -140,15 +141,36 @@ def run_signature(cls: Any) -> inspect.Signature | None:
 
 
 def check_key_fields(cls: Any, limits: tuple[Limit, ...]) -> None:
-    """Refuse, when the task is declared, a key template naming an argument that no
-    call of the task can have.
+    """Refuse, when the task is built, a key template naming an argument that no call
+    of the task can have.
 
     Raises:
         InvalidLimit: naming the template, the field and the task's signature.
     """
     signature = run_signature(cls)
-    if signature is None:
+    if signature is not None:
+        check_fields(signature, limits, getattr(cls, "name", None) or cls.__name__)
+
+
+def check_function_fields(parts: ProxyParts, limits: tuple[Limit, ...]) -> None:
+    """:func:`check_key_fields` for a task not built yet, from its function and
+    options. When ``bind`` is not known, the function's first parameter stays in: a
+    field is refused only if no reading of the signature has it.
+
+    Raises:
+        InvalidLimit: naming the template, the field and the function's signature.
+    """
+    try:
+        signature = inspect.signature(parts.function)
+    except (TypeError, ValueError):
         return
+    if parts.bind:  # the task itself comes first
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    function = parts.function
+    check_fields(signature, limits, parts.name or f"{function.__module__}.{function.__name__}")
+
+
+def check_fields(signature: inspect.Signature, limits: tuple[Limit, ...], name: str) -> None:
     kinds = [parameter.kind for parameter in signature.parameters.values()]
     names = {
         parameter.name
@@ -166,7 +188,6 @@ def check_key_fields(cls: Any, limits: tuple[Limit, ...]) -> None:
             else:
                 possible = field in names or inspect.Parameter.VAR_KEYWORD in kinds
             if not possible:
-                name = getattr(cls, "name", None) or cls.__name__
                 raise InvalidLimit(
                     f"key template {limit.key!r} of task {name} names argument {{{field}}}, "
                     f"which no call of it can have: its signature is {signature}"

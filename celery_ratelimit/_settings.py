@@ -199,6 +199,15 @@ def redis_url(app: Any) -> str:
     return DEFAULT_REDIS_URL
 
 
+def redis_url_source(app: Any) -> str:
+    """Where :func:`redis_url` found the URL, for a message."""
+    if setting("ratelimit_redis_url", app):
+        return "from ratelimit_redis_url"
+    if redis_url(app) == DEFAULT_REDIS_URL:
+        return "ratelimit_redis_url is not set: the default"
+    return "ratelimit_redis_url is not set: the broker's URL"
+
+
 def park_after(app: Any) -> float | None:
     """``ratelimit_park_after`` in seconds, "auto" worked out (None: parking is off)."""
     value = setting("ratelimit_park_after", app)

@@ -505,6 +505,13 @@ def test_deferrals_never_use_up_max_retries_and_self_retry_still_works(nodes: No
         assert sum(r["deferrals"] for r in attempts) == logged[task_id], attempts
     assert sum(r["deferrals"] for r in runs) >= 4, "the backlog should have been deferred"
     assert max_in_window([r["granted"] for r in runs], 1_000_000) <= 2
+    # one INFO line per deferral, ours: Celery's "retry:" line is logged for the body's
+    # own retry of each task, never for a deferral
+    retried = Counter(
+        task_id for line in nodes.grep(" retry: ") for task_id in by_id if task_id in line
+    )
+    assert retried == Counter(dict.fromkeys(by_id, 1)), retried
+    assert all("first run fails" in line for line in nodes.grep(" retry: ") if "flaky" in line)
 
 
 def test_a_task_whose_expires_passes_while_deferred_ends_expired_not_looping(

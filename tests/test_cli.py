@@ -14,7 +14,7 @@ import redis
 
 from celery_ratelimit import Concurrency, Limit, Limiter, Rate
 from tests.examples_env import run
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 DAY_US = 600_000_000  # the quota example's "day", made long so nothing expires mid-test
 QUOTA = Rate(9500, DAY_US)
@@ -178,8 +178,9 @@ def test_explain_resolves_install_rules_and_reports_bad_calls(env: dict[str, str
     assert "not rate limited" in out
     explain = (sys.executable, "-m", "celery_ratelimit", "explain")
     result = run(*explain, "-A", APP, f"{APP}.videos_list", "key1", env=env)
-    assert result.returncode == 1  # a call a worker would fail
-    assert "error     a worker would fail this call" in result.stdout
+    assert result.returncode == 1  # a call Celery would refuse
+    assert "error     Celery would refuse this call" in result.stdout
+    assert "missing a required argument: 'region'" in result.stdout
     result = run(*explain, "-A", APP, "nope", env=env)
     assert result.returncode != 0 and f"{APP}.search_list" in result.stderr
 
@@ -289,12 +290,65 @@ def test_set_and_unset_change_what_every_decision_grants(
         False
     ]
     out = cli("unset", "yt:search:key1", "--url", server.url, "--prefix", "example", env=env)
-    assert "no override" in out
+    assert "yt:search:key1: override 30/25s removed" in out
     assert "override" not in cli("status", "-A", APP, env=env)
     assert not limiter.acquire("yt:search:key1", search).allowed
+    # a second unset says there was nothing to remove, on either command line
+    out = cli("unset", "yt:search:key1", "-A", APP, env=env)
+    assert "yt:search:key1: there was no override to remove" in out
+    result = run(CELERY, "-A", APP, "ratelimit", "unset", "yt:search:key1", env=env)
+    assert "there was no override to remove" in result.stdout, result.stdout + result.stderr
     bad = run(
         sys.executable, "-m", "celery_ratelimit", "set", "k", "10/fortnight", "-A", APP, env=env
     )
     assert bad.returncode != 0 and "10/fortnight" in bad.stderr
     bad = run(CELERY, "-A", APP, "ratelimit", "set", "k", "0/s", env=env)
     assert bad.returncode != 0 and "0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_explain_refuses_arguments_that_do_not_fit_the_tasks_signature(
+    env: dict[str, str],
+) -> None:
+    """Even where no key depends on the arguments (a rule's key is the task's name),
+    a call Celery would refuse is reported as such, not "allowed now"."""
+    app = "examples.existing_project"
+    task = f"{app}.tasks.send_email"
+    explain = (sys.executable, "-m", "celery_ratelimit", "explain", "-A", app, task)
+    result = run(*explain, "a@example.com", "extra", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error     Celery would refuse this call" in result.stdout
+    assert "too many positional arguments" in result.stdout
+    assert "allowed now" not in result.stdout
+    result = run(*explain, "--kwargs", '{"nobody": 1}', env=env)
+    assert result.returncode == 1 and "send_email(" in result.stdout
+    assert "allowed now" not in result.stdout
+    # the same through Celery's own command line
+    result = run(CELERY, "-A", app, "ratelimit", "explain", task, env=env)
+    assert result.returncode == 1 and "missing a required argument" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_redis_url_error_names_the_option_it_came_from(
+    server: RedisServer, env: dict[str, str]
+) -> None:
+    closed = f"redis://127.0.0.1:{free_port()}/0"
+    wrong_password = f"redis://nobody:secret@127.0.0.1:{server.port}/0"
+    ours = (sys.executable, "-m", "celery_ratelimit")
+    for command in (
+        (*ours, "status", "--url", closed),
+        (*ours, "set", "k", "5/s", "--url", wrong_password),
+        (*ours, "unset", "k", "-A", APP, "--url", closed),
+        (CELERY, "-A", APP, "ratelimit", "reset", "k", "--url", wrong_password),
+        (*ours, "status", "--url", "http://127.0.0.1/0"),
+    ):
+        result = run(*command, env=env)
+        assert result.returncode != 0, command
+        assert "--url" in result.stderr and "ratelimit_redis_url" not in result.stderr, (
+            command,
+            result.stderr,
+        )
+        assert "secret" not in result.stdout + result.stderr
+    # the app's URL, when no --url is given, is named as the app's setting
+    result = run(*ours, "status", "-A", APP, env={**env, "RATELIMIT_REDIS_URL": closed})
+    assert result.returncode != 0 and "from ratelimit_redis_url" in result.stderr, result.stderr
+    assert "--url" not in result.stderr

@@ -22,6 +22,14 @@ def test_every_private_path_is_found_on_this_celery() -> None:
     def probe() -> None: ...
 
     assert _compat.shared_task_function(probe) is probe.__wrapped__
+    assert _compat.task_proxy_parts(probe) == (probe.__wrapped__, None, None)
+    lazy = Celery(f"lazy-{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+    def body(self: Any) -> None: ...
+
+    promise = lazy.task(bind=True, name="probe.bound", shared=False)(body)
+    assert _compat.task_proxy_parts(promise) == (body, "probe.bound", True)
+    assert not lazy.finalized
     assert _compat.finalized_apps() is not None
     app = Celery(f"probe-{uuid.uuid4().hex[:6]}", set_as_current=False)
     app.finalize()

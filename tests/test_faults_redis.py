@@ -123,6 +123,9 @@ def test_redis_down_at_worker_start_each_policy_then_back(
     assert 1 <= len(deferring) <= 4 < len(defer)
     redis_error_deferrals = len(fleet.grep("; Redis error:"))
     assert redis_error_deferrals >= len(defer)
+    # a limiter URL that never answered: each node says so once, at ERROR
+    never = fleet.grep("nothing answered")
+    assert len(never) == len(fleet.nodes) and all("ERROR" in line for line in never)
 
     back = time.monotonic()
     limiter.start()
@@ -146,6 +149,7 @@ def test_redis_down_mid_run_each_policy(
     _broker, limiter = servers
     if limiter.proc is None:
         limiter.start()
+    never_before = len(fleet.grep("nothing answered"))
     defer = send(fleet, "defer", 30, 100)
     time.sleep(1.2)
     limiter.stop()
@@ -159,6 +163,8 @@ def test_redis_down_mid_run_each_policy(
     counts = tally(defer, runs)
     assert counts["lost"] == counts["duplicated"] == 0, counts
     assert not failed(fleet, defer)
+    # a limiter that had answered is down for now: no ERROR about its URL
+    assert len(fleet.grep("nothing answered")) == never_before
     # the budget restarts empty with the restarted server: judge each side apart
     grants = sorted(r["granted"] for r in runs if r["granted"] is not None)
     assert all(r["granted"] is not None for r in runs), str(

@@ -137,13 +137,14 @@ def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
         fleet.stop()
 
 
-def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
+def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
     server: RedisServer, tmp_path: Path
 ) -> None:
+    port = free_port()
     fleet = Fleet(
         tmp_path,
         broker_url=f"redis://127.0.0.1:{server.port}/1",
-        limiter_url=f"redis://127.0.0.1:{free_port()}/0",
+        limiter_url=f"redis://:hunter2@127.0.0.1:{port}/0",
         runs_url=f"redis://127.0.0.1:{server.port}/3",
         prefix=unique_prefix("closed-port"),
         settings={"error_countdown": "0.3"},
@@ -151,6 +152,16 @@ def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
     try:
         fleet.add(1)
         ids = [fleet.send("limited", i) for i in range(4)]
+        # a URL that never answered is most likely wrong: the node says so at ERROR,
+        # naming the setting and the URL (not its password), before the tasks' warnings
+        deadline = time.monotonic() + FAILS_WITHIN
+        while not fleet.grep("nothing answered") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        errors = fleet.grep("nothing answered")
+        assert len(errors) == 1, errors
+        assert "ERROR" in errors[0] and "ratelimit_redis_url" in errors[0]
+        assert f"'redis://:***@127.0.0.1:{port}/0'" in errors[0]
+        assert "Connection refused" in errors[0]
         # each task is deferred again and again (how often in a given time depends on
         # the machine's load: wait until every one was deferred twice)...
         deadline = time.monotonic() + 30
@@ -164,6 +175,7 @@ def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
         assert 1 <= len(warnings) <= 2  # ...and that was said once per pool process
         assert all("WARNING" in line and "Connection refused" in line for line in warnings)
         assert not fleet.grep("raised unexpected")  # transient: nothing failed
+        assert "hunter2" not in fleet.logs(tail=10**6)
     except BaseException:
         print(fleet.logs())
         raise

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, shared_task
 from celery.app.task import Context
 
 from celery_ratelimit import (
@@ -22,6 +22,7 @@ from celery_ratelimit import (
     Limiter,
     Rate,
     RateLimitedTask,
+    _compat,
     install,
     ratelimit,
 )
@@ -287,6 +288,45 @@ def test_a_key_template_naming_an_argument_no_call_can_have_fails_when_declared(
         def two(i: int, j: int) -> None: ...
 
         _ = two.ratelimit
+
+
+def test_the_decorator_checks_key_templates_against_the_function_as_it_decorates(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the app is not finalized and no task is built: the decoration itself fails
+    with pytest.raises(InvalidLimit, match=r"task decorated names argument \{tenant\}"):
+
+        @ratelimit("5/s", key="t:{tenant}")
+        @app.task(shared=False, name="decorated")
+        def decorated(i: int) -> None: ...
+
+    with pytest.raises(InvalidLimit, match=r"task crl-test\.shared names argument \{2\}"):
+
+        @ratelimit("5/s", key="t:{2}")
+        @shared_task(name="crl-test.shared")
+        def shared(i: int, j: int) -> None: ...
+
+    # bind=True: the task comes first; {0} is the first argument of a call
+    @ratelimit("5/s", key="t:{tenant}:{0}")
+    @app.task(shared=False, bind=True)
+    def bound(self: Any, tenant: str) -> None: ...
+
+    with pytest.raises(InvalidLimit, match=r"\{1\}.*\(tenant: 'str'\)"):
+
+        @ratelimit("5/s", key="t:{1}")
+        @app.task(shared=False, bind=True, name="bound_two")
+        def bound_two(self: Any, tenant: str) -> None: ...
+
+    assert not app.finalized
+    # without the private path, the same template fails when Celery builds the task
+    monkeypatch.setattr(_compat, "PUBLIC_ONLY", True)
+
+    @ratelimit("5/s", key="t:{tenant}")
+    @app.task(shared=False, name="late")
+    def late(i: int) -> None: ...
+
+    with pytest.raises(InvalidLimit, match=r"task late names argument \{tenant\}"):
+        app.finalize()
 
 
 def test_a_key_template_may_name_a_keyword_of_a_kwargs_task(app: Celery) -> None:
