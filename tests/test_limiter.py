@@ -625,7 +625,10 @@ def test_a_reservation_started_once_gives_a_second_execution_budget_of_its_own(
     assert max_in_window([(t, 1) for t in starts], 300_000) <= 2
 
 
-@pytest.mark.parametrize("token", ["zz", "ab", "", None, 42, "0123456789abcdeg", "0" * 18])
+@pytest.mark.parametrize(
+    "token",
+    ["zz", "ab", "", None, 42, "0123456789abcdeg", "0" * 18, "0123456789abcdef.", "0" * 16 + ".x"],
+)
 def test_a_token_the_limiter_did_not_write_is_refused_naming_it(
     limiter: Limiter, token: object
 ) -> None:
