@@ -52,7 +52,7 @@ DECISION_ATTR = "ratelimit_decision"
 #: late task waiting for the window) is waited for in-process instead of being
 #: published again; the limiter counts it for that instant, so no second call follows.
 #: A start pushed back by a late one is waited for only up to a quarter of this past
-#: its own slot (see ``lua/sliding_log.lua``, mode 3).
+#: its own slot (see ``lua/start.lua``).
 MAX_IN_PROCESS_WAIT = 0.2
 #: A grant read too late to start on (see ``Check.start``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
@@ -151,7 +151,7 @@ class Check:
         late (a busy gevent or eventlet hub, a descheduled process) or the wait ended
         late: then bodies granted in one window could start in the next one, together
         with that window's own. Its grant is then stale, and restamped (see
-        ``lua/sliding_log.lua``, mode 5) at the instant it really starts. Up to half
+        ``Limiter.restamp``, ``lua/start.lua``) at the instant it really starts. Up to half
         the guard of lateness is absorbed by the windows' slack instead. The bound
         needs no clock but this process's: Redis decided after ``self.sent``.
         """
@@ -394,7 +394,7 @@ def _process_settings(task: Any) -> _ProcessSettings:
 
 def start_tolerance(limits: tuple[Limit | Concurrency, ...], guard: float) -> float:
     """How late (seconds) a body may start after its grant without a restamp: half the
-    slack ``guard`` adds to the tightest window (``lua/sliding_log.lua``: starts are
+    slack ``guard`` adds to the tightest window (``lua/lib/log.lua``: starts are
     checked in windows that much wider than the limit's). With no guard, or with the
     counter (which keeps no entry to move), starts are not checked: ``inf``."""
     rates = [limit for limit in limits if isinstance(limit, Limit) and limit.align is None]

@@ -34,7 +34,7 @@ The counter (``algorithm="counter"``), a hash
     ``w`` the current fixed window's number (instant // window), ``c`` its count, ``p``
     the previous window's count.
 
-A concurrency limit (``lua/gate.lua``), three sorted sets
+A concurrency limit (``lua/lib/concurrency.lua``), three sorted sets
     holders: token -> when its lease runs out (µs), and the meta member ``""`` = the
     average time a body held a slot (µs); starts: token -> when its body started;
     waiters: token -> when its turn is expected.

@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
     # Slack, seconds (at most 4% of a window): slots are placed in windows this much
     # wider, starts are checked in windows half of it wider (a body starts a varying
     # moment after its check), so a task starting a little after its slot costs no
-    # wait (see lua/sliding_log.lua).
+    # wait (see lua/start.lua).
     "ratelimit_guard": 0.03,
     # Countdown of a deferral made because Redis could not be reached (policy "defer").
     "ratelimit_redis_error_countdown": 1.0,

@@ -1,6 +1,6 @@
 """The concurrency slots held by this process's running task bodies.
 
-A body's slot (see ``Concurrency`` and ``lua/gate.lua``) is taken by the decision that
+A body's slot (see ``Concurrency`` and ``lua/lib/concurrency.lua``) is taken by the decision that
 lets it run. While the body runs, a thread of this process renews its lease every third
 of it; when the body ends, on every exit the tracer reports (success, an exception,
 ``Retry``, ``Reject``, ``Ignore``, a soft time limit), the ``task_postrun`` handler

@@ -212,7 +212,7 @@ def test_a_waiter_that_never_comes_gives_its_turn_up(limiter: Limiter) -> None:
     waiter = limiter.acquire("k", one, reserve=True)
     assert running.token and waiter.reserved
     limiter.release(running.token, "k", one)
-    deadline = waiter.at + 2.2  # its turn plus the grace (lua/gate.lua GRACE)
+    deadline = waiter.at + 2.2  # its turn plus the grace (lua/lib/concurrency.lua GRACE)
     while server_us(limiter.client) < deadline * 1e6:
         time.sleep(0.05)
     assert limiter.acquire("k", one).allowed

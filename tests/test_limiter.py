@@ -520,7 +520,7 @@ def test_the_room_of_a_slot_whose_task_never_came_goes_to_a_new_call(
 def test_a_grant_read_late_is_restamped_where_it_really_starts(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
-    """A grant whose reply was read late starts anew (mode 5): its entry moves to the
+    """A grant whose reply was read late starts anew (``restamp``): its entry moves to the
     instant it really starts (one entry, one unit of the total, whatever the delay)."""
     rate = Limit("3/400ms")
     keys = limiter.keys_for("late", rate)

@@ -200,7 +200,7 @@ def model_start(
     now: int,
     cost: int,
 ) -> int:
-    """The model of a start (script modes 3 and 5, one limit, no guard): the earliest
+    """The model of a start (``confirm`` and ``restamp``, one limit, no guard): the earliest
     instant from ``t0`` at which ``cost`` fits among the entries later than
     ``t0 - W`` that really started: not this call's own, not a pending slot due after
     ``t0`` or overdue by more than a quarter window. A start that does not fit within
