@@ -19,12 +19,21 @@ from celery_ratelimit_pytest import URL_ENV
 from tests.redis_server import RedisServer, free_port
 
 SUITE = Path(__file__).resolve().parent.parent / "examples" / "testing_your_tasks"
+FUNCTION_WORKER = "celery_app: Any, celery_worker: Any"
 
 
-def run_suite(tmp_path: Path, *args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
-    """pytest on a copy of the example suite; ``env`` entries set to None are removed."""
+def run_suite(
+    tmp_path: Path, *args: str, session_worker: bool = False, **env: str | None
+) -> subprocess.CompletedProcess[str]:
+    """pytest on a copy of the example suite, its tests on ``celery_session_worker``
+    instead of ``celery_worker`` if asked; ``env`` entries set to None are removed."""
     where = tmp_path / "suite"
     shutil.copytree(SUITE, where, ignore=shutil.ignore_patterns("__pycache__"))
+    if session_worker:
+        tests = where / "test_tasks.py"
+        text = tests.read_text()
+        assert text.count(FUNCTION_WORKER) == 2
+        tests.write_text(text.replace(FUNCTION_WORKER, "celery_session_worker: Any"))
     full = {k: v for k, v in os.environ.items() if k != URL_ENV}
     for name, value in env.items():
         full.pop(name, None)
@@ -40,12 +49,17 @@ def run_suite(tmp_path: Path, *args: str, **env: str | None) -> subprocess.Compl
     )
 
 
-def test_the_suite_passes_on_the_redis_server_from_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize("session_worker", [False, True], ids=["celery_worker", "session"])
+def test_the_suite_passes_on_the_redis_server_from_path(
+    tmp_path: Path, session_worker: bool
+) -> None:
     if shutil.which("redis-server") is None and not os.environ.get(SERVER_ENV):
         pytest.skip("no redis-server on PATH")
-    result = run_suite(tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_suite(tmp_path, session_worker=session_worker)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
     assert "2 passed" in result.stdout
+    assert "Traceback" not in out  # a session's results are gone before its server
 
 
 def test_the_suite_passes_on_the_embedded_server_without_one_on_path(tmp_path: Path) -> None:
