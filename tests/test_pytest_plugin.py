@@ -1,21 +1,25 @@
 """The pytest plugin (celery_ratelimit_pytest) as a user meets it: the example suite in
 examples/testing_your_tasks run by pytest in a directory of its own, on pytest-celery's
 in-process worker, against PATH's redis-server, the embedded one, or a server given by
-URL; a bad URL or server ends that run with one line."""
+URL; a bad URL or server ends that run with one line. The server clock fixture
+(libfaketime) moves every window."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 
-from celery_ratelimit import Limiter
+from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._embedded import SERVER_ENV
-from celery_ratelimit_pytest import URL_ENV
+from celery_ratelimit_pytest import URL_ENV, ServerClock
 from tests.redis_server import RedisServer, free_port
 
 SUITE = Path(__file__).resolve().parent.parent / "examples" / "testing_your_tasks"
@@ -109,3 +113,30 @@ def test_a_bad_server_ends_the_run_with_one_line(
 
 def test_the_projects_own_limiter_fixture_wins_over_the_plugins(limiter: Limiter) -> None:
     assert limiter.prefix.startswith("t-")  # tests/conftest.py's, one prefix per test
+
+
+def test_the_clock_moves_the_servers_time_and_with_it_every_window(
+    ratelimit_clock: ServerClock,
+) -> None:
+    hourly, daily = Limit("1/h"), Limit("1/d", align="America/Los_Angeles")
+    lim = ratelimit_clock.limiter
+    pacific = datetime.fromtimestamp(ratelimit_clock.now(), ZoneInfo("America/Los_Angeles"))
+    midnight = (pacific + timedelta(days=1)).replace(hour=0, minute=0, second=0)
+    if midnight.timestamp() - pacific.timestamp() < 7200:
+        ratelimit_clock.advance(midnight.timestamp() - pacific.timestamp() + 60)
+    assert lim.acquire("api", [hourly, daily]).allowed
+    denied = lim.acquire("api", hourly)
+    assert not denied.allowed and denied.retry_after > 3000
+    before = ratelimit_clock.now()
+    ratelimit_clock.advance(3600)
+    assert ratelimit_clock.now() - before >= 3600
+    assert lim.acquire("api", hourly).allowed
+    assert not lim.acquire("api", daily).allowed  # the Pacific day is not over
+    ratelimit_clock.advance(86400)
+    assert lim.acquire("api", [hourly, daily]).allowed
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), "60"])
+def test_the_clock_never_runs_back(ratelimit_clock: ServerClock, bad: object) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        ratelimit_clock.advance(bad)  # type: ignore[arg-type]
