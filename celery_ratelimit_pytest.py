@@ -132,7 +132,7 @@ def _clear(limiter: Limiter) -> None:
 
 
 @pytest.fixture
-def limiter(ratelimit_redis_url: str, request: pytest.FixtureRequest) -> Iterator[Limiter]:
+def limiter(request: pytest.FixtureRequest) -> Iterator[Limiter]:
     """A ``Limiter`` on the Redis and key prefix of ``celery_config`` (else
     ``ratelimit_redis_url`` and the default prefix): what the worker under test
     decides with. Every key under the prefix is deleted before and after the test."""
@@ -140,7 +140,7 @@ def limiter(ratelimit_redis_url: str, request: pytest.FixtureRequest) -> Iterato
     from celery_ratelimit._settings import DEFAULTS
 
     settings = _worker_settings(request)
-    url = settings.get("ratelimit_redis_url") or ratelimit_redis_url
+    url = settings.get("ratelimit_redis_url") or request.getfixturevalue("ratelimit_redis_url")
     prefix = settings.get("ratelimit_key_prefix") or DEFAULTS["ratelimit_key_prefix"]
     lim = Limiter.from_url(url, prefix=prefix)
     _clear(lim)
