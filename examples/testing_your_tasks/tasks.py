@@ -20,6 +20,7 @@ def fetch(n: int) -> int:
 
 
 @shared_task(bind=True, base=RateLimitedTask, ratelimit=Limit("1/3s", key="report"))
-def report(self: Any) -> int:
-    """How many times this call was deferred for want of budget before it ran."""
-    return int(self.request.ratelimit_deferrals)
+def report(self: Any) -> tuple[float, int]:
+    """When the body started, and how many times the call was deferred before (the
+    header is there from the first deferral on)."""
+    return time.time(), int(getattr(self.request, "ratelimit_deferrals", 0))
