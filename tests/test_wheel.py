@@ -1,4 +1,5 @@
-"""The built wheel carries the Lua scripts and works in a fresh virtualenv."""
+"""The built wheel carries the Lua scripts (and the pytest plugin) and works in a fresh
+virtualenv."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_the_wheel_ships_the_lua_scripts_and_the_type_marker(wheel: Path) -> Non
     names = set(zipfile.ZipFile(wheel).namelist())
     scripts = {f"celery_ratelimit/lua/{p.name}" for p in (ROOT / "lua").glob("*.lua")}
     assert len(scripts) >= 4  # the scripts and the files they include
-    assert {*scripts, "celery_ratelimit/py.typed"} <= names
+    assert {*scripts, "celery_ratelimit/py.typed", "celery_ratelimit_pytest.py"} <= names
     assert not any(name.startswith("tests/") for name in names)
 
 
