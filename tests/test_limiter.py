@@ -14,7 +14,6 @@ import pytest
 import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
-from celery_ratelimit._scripts import shape
 from tests.calls import ACQUIRE, CONFIRM, RESTAMP, decide
 from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
 from tests.redis_server import RedisServer, free_port
@@ -660,14 +659,15 @@ def test_a_burst_leaving_a_long_log_is_pruned_a_batch_per_call(
     rate = Limit("3000/400ms")
     key = f"burst-{newer}"
     keys = limiter.keys_for(key, rate)
-    limiter.check()
-    sha = limiter._scripts["acquire"].sha
-    with redis_client.pipeline(transaction=False) as pipe:
-        for _ in range(1200):
-            call = limiter._acquire_call(key, shape((rate,), 1), "now")
-            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-        assert all(reply[0] == 1 for reply in pipe.execute())  # all granted at once
-    last = entries(redis_client, keys[0])[-1][0]
+    # a burst granted within a millisecond, written as the script writes it (one grant
+    # by the script, then 1,199 more entries a microsecond apart before it, and the
+    # running total): however slowly this machine would send 1,200 calls, they all
+    # leave the window together
+    first = limiter.acquire(key, rate)
+    last = us(first.at)
+    redis_client.zadd(keys[0], {os.urandom(8): last - 1 - i for i in range(1199)})
+    redis_client.zadd(keys[0], {"": 1200})
+    assert total(redis_client, keys[0]) == len(entries(redis_client, keys[0])) == 1200
     if newer:
         sleep_until(redis_client, last + 200_000)
         assert limiter.acquire(key, rate).allowed
