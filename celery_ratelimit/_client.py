@@ -27,7 +27,7 @@ from redis.sentinel import Sentinel
 from ._exceptions import InvalidLimit
 
 
-def _hosts(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+def host_list(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
     userinfo, _, hostlist = netloc.rpartition("@")
     username = password = None
     if userinfo:
@@ -90,7 +90,7 @@ def check_url(url: object) -> str:
         if db and not db.isdigit():
             raise InvalidLimit(f"bad database number {db!r} in Redis URL {redacted(url)}")
     else:
-        _hosts(parts.netloc, url)
+        host_list(parts.netloc, url)
     return scheme
 
 
@@ -111,7 +111,7 @@ def client_from_url(
         options.setdefault("retry", Retry(NoBackoff(), 1))
         return redis.Redis.from_url(url, **timeouts, **options)
     parts = urlsplit(url)
-    username, password, hosts = _hosts(parts.netloc, url)
+    username, password, hosts = host_list(parts.netloc, url)
     tls = scheme.startswith("rediss")
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         path = [p for p in parts.path.split("/") if p]

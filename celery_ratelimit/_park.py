@@ -37,7 +37,7 @@ from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ._limiter import REDIS_ERRORS, Limiter
-from ._settings import limiter_for, park_after, setting
+from ._settings import limiter_for, park_after, park_undecided, setting
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -224,6 +224,9 @@ def _start_mover(sender: Any = None, **_: Any) -> None:
     if app is None or os.getpid() in _movers or not _limited(app):
         return
     if park_after(app) is None:
+        undecided = park_undecided(app)
+        if undecided:
+            logger.info("ratelimit: %s", undecided)
         return  # an app-wide setting: no node parks
     mover = _movers[os.getpid()] = Mover(app)
     mover.start()

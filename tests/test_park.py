@@ -24,7 +24,7 @@ from celery import Celery
 from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, _park, install
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._park import move_once, park, park_calls, park_keys
-from celery_ratelimit._settings import limiter_for, park_after
+from celery_ratelimit._settings import limiter_for, park_after, park_undecided
 
 BROKER_DB = 5
 
@@ -214,6 +214,17 @@ def test_parks_of_two_brokers_are_apart(app: Celery, redis_url: str) -> None:
         ("redis://h:6379/1", "redis://h/3", 2.0),
         ("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6380/0", None),  # another server
         ("amqp://guest:guest@127.0.0.1:5672//", "redis://127.0.0.1:6379/0", None),
+        # the README's Cluster and Sentinel forms: compared node by node
+        ("redis://b:7001/1", "redis+cluster://a:7000,b:7001,c:7002", 2.0),
+        ("redis://d:7003/1", "redis+cluster://a:7000,b:7001,c:7002", None),
+        (
+            "sentinel://s:26379;sentinel://t:26379",
+            "redis+sentinel://t:26379,u:26379/mymaster/0",
+            2.0,
+        ),
+        ("sentinel://s:26379", "redis+sentinel://s:26379,t:26379/other/0", None),
+        ("sentinel://s:26379", "redis+sentinel://u:26379/mymaster/0", None),
+        ("redis://s:6379/1", "redis+sentinel://s:26379,t:26379/mymaster/0", None),
     ],
 )
 def test_auto_parks_only_where_the_broker_keeps_its_own_messages(
@@ -222,11 +233,31 @@ def test_auto_parks_only_where_the_broker_keeps_its_own_messages(
     """Under "auto" a copy is parked only in the broker's own Redis server, so that a
     parked copy is as durable as a published one; elsewhere parking is asked for."""
     app = Celery("auto", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = {"master_name": "mymaster"}
     if limiter:
         app.conf.ratelimit_redis_url = limiter
     assert park_after(app) == expected
     app.conf.ratelimit_park_after = 5
     assert park_after(app) == 5.0
+
+
+@pytest.mark.parametrize(
+    ("broker", "limiter", "options"),
+    [
+        ("redis://d:7003/1", "redis+cluster://a:7000,b:7001", {}),
+        ("sentinel://s:26379", "redis+sentinel://s:26379/mymaster/0", {}),  # no master_name
+        ("redis://s:6379/1", "redis+sentinel://s:26379,t:26379/mymaster/0", {}),
+    ],
+)
+def test_auto_that_cannot_tell_leaves_parking_off_and_says_how_to_turn_it_on(
+    broker: str, limiter: str, options: dict[str, str]
+) -> None:
+    app = Celery("undecided", broker=broker, set_as_current=False)
+    app.conf.update(ratelimit_redis_url=limiter, broker_transport_options=options)
+    assert park_after(app) is None
+    assert "set ratelimit_park_after = 2 if it is" in (park_undecided(app) or "")
+    app.conf.ratelimit_park_after = None
+    assert park_undecided(app) is None
 
 
 @pytest.mark.parametrize("value", [1.0, 0, -3, "2", True, float("inf")])
