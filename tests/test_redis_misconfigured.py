@@ -73,6 +73,10 @@ CASES = {
         lambda s: _url(s),
         r"holds a value of another type.*ratelimit_key_prefix",
     ),
+    "a Cluster URL naming a server not in cluster mode": (
+        lambda s: f"redis+cluster://127.0.0.1:{s.port}",
+        r"not in cluster mode.*use redis://host:port/db for a single server",
+    ),
     "not a Redis server (RabbitMQ's port)": (
         lambda s: "redis://127.0.0.1:5672/0",
         r"does not point at a Redis server",
@@ -137,13 +141,21 @@ def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
         fleet.stop()
 
 
+@pytest.mark.parametrize("form", ["redis", "redis+cluster", "redis+sentinel"])
 def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
-    server: RedisServer, tmp_path: Path
+    server: RedisServer, tmp_path: Path, form: str
 ) -> None:
+    closed = {
+        "redis": f"redis://127.0.0.1:{free_port()}/0",
+        # the README's forms, every node closed: a Cluster client asks for the slot map
+        # at its first command, a Sentinel client for the primary
+        "redis+cluster": f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}",
+        "redis+sentinel": f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/m/0",
+    }
     fleet = Fleet(
         tmp_path,
         broker_url=f"redis://127.0.0.1:{server.port}/1",
-        limiter_url=f"redis://127.0.0.1:{free_port()}/0",
+        limiter_url=closed[form],
         runs_url=f"redis://127.0.0.1:{server.port}/3",
         prefix=unique_prefix("closed-port"),
         settings={"error_countdown": "0.3"},
@@ -162,7 +174,8 @@ def test_a_closed_port_keeps_deferring_and_says_so_once_per_interval(
         assert all(sum(i in line for line in deferred) >= 2 for i in ids)
         warnings = [line for line in fleet.grep("Redis unavailable") if "deferring" in line]
         assert 1 <= len(warnings) <= 2  # ...and that was said once per pool process
-        assert all("WARNING" in line and "Connection refused" in line for line in warnings)
+        said = "No master found" if form == "redis+sentinel" else "Connection refused"
+        assert all("WARNING" in line and said in line for line in warnings), warnings
         assert not fleet.grep("raised unexpected")  # transient: nothing failed
     except BaseException:
         print(fleet.logs())
