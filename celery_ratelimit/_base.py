@@ -212,8 +212,9 @@ class LimiterBase:
         """
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
-                f"limits checked together must share their hash tag (the key's first "
-                f"segment) on Redis Cluster, got keys {keys}"
+                "limits checked together must share their hash tag on Redis Cluster (a "
+                "key's first segment, then the values its template fills in after it: "
+                f"'yt:quota:{{k}}' and 'yt:search:{{k}}' share one), got keys {keys}"
             )
         return script_keys(keys, limits)
 

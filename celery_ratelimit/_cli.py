@@ -16,6 +16,8 @@ from typing import Any
 
 from ._base import DEFAULT_PREFIX
 from ._exceptions import RateLimitError
+from ._keys import escape_key
+from ._layout import keys_of, settings_key, tagged_keys
 from ._limiter import Limiter
 from ._rate import Rate
 
@@ -135,7 +137,13 @@ def run_set(
     """``set KEY RATE [--ttl]`` (``rate`` None: ``unset KEY``)."""
     limiter = limiter_from(app, url, prefix)
     try:
-        limiter.override(key, rate, ttl=ttl)
+        # a key a template rendered carries its values in its hash tag (``_keys``):
+        # its calls read the override there; found by the key's data, else as written
+        call = limiter._override_call(key, rate, ttl)
+        for tagged in tagged_keys(keys_of(limiter.client, limiter.prefix, key)) or [
+            escape_key(key)
+        ]:
+            limiter._script_reply(call._replace(keys=[settings_key(limiter.prefix, tagged)]))
     finally:
         limiter.client.close()
     if rate is None:

@@ -10,6 +10,7 @@ from typing import Any
 from ._base import PEEK
 from ._decision import Decision
 from ._exceptions import InvalidLimit
+from ._keys import logical_key
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
 from ._limiter import REDIS_ERRORS
@@ -109,7 +110,7 @@ def explain(
             state.limit = limit
             one = limiter.decide([redis_key], (limit,), cost, PEEK, guard=guard_for_app(app))
             state.remaining, state.next_free = one.remaining, one.retry_after
-            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
+            result.limits.append(LimitExplanation(limit, logical_key(key), redis_key, cost, state))
         result.decision = limiter.decide(redis_keys, limits, costs, PEEK, guard=guard_for_app(app))
         result.settings = key_settings(limiter)
     except REDIS_ERRORS as exc:

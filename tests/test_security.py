@@ -32,7 +32,7 @@ from celery_ratelimit import (
     ratelimit,
 )
 from celery_ratelimit._base import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP
-from celery_ratelimit._keys import MAX_KEY, escape_key, render
+from celery_ratelimit._keys import MAX_KEY, escape_key, escape_part, logical_key, render
 from celery_ratelimit._layout import redis_key
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
@@ -67,7 +67,10 @@ def test_two_field_keys_of_distinct_tenants_never_collide_or_move_the_tag(
     assert (ka == kb) == (same(a[0], b[0]) and same(a[1], b[1]))
     full = redis_key("ratelimit", ka, LOG)
     assert full.count("{") == full.count("}") == 1
-    assert ka.count(":") == 2
+    assert logical_key(ka).count(":") == 2
+    # the tag: the tenant (the first segment), then the region; nothing else
+    tag = full.split("{", 1)[1].split("}", 1)[0]
+    assert tag == f"{escape_part(a[0])}:{escape_part(a[1])}"
 
 
 @pytest.mark.parametrize("template", ["{a}{b}", "t:{a}-{b}", "{a}_{b}", "{a} {b}", "{a}%{b}"])
