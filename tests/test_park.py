@@ -137,6 +137,29 @@ def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses
     assert waiting(app) == 0
 
 
+def test_a_claim_whose_reply_was_lost_is_taken_back_by_its_mover_at_its_next_look(
+    app: Celery,
+) -> None:
+    """A claim that timed out may still have run once Redis went on (a paused server):
+    its mover takes its copies back at the next claim, not after the lease."""
+    mover = _park.Claims()
+    move_once(app, mover)
+    assert park(app.tasks[app.conf.fetch_name], deferred_copy(app, "t-lost"), 1.6)
+    time.sleep(0.7)  # due within the lead
+    limiter = limiter_for(app)
+    keys = park_keys(app, limiter)
+    # the claim ran, and its reply never reached the mover
+    arguments = ["claim", int(_park.LEAD * 1e6), int(_park.LEASE * 1e6), 10, mover.mover, "0"]
+    assert len(limiter.run_script("park", keys, arguments)) == 4
+    assert waiting(app) == 1 and queued(app) == []
+    move_once(app)  # another mover: the copy is claimed, not its to take
+    assert queued(app) == []
+    mover.lost = True  # what the timeout left it knowing
+    move_once(app, mover)
+    assert [m["headers"]["id"] for m in queued(app)] == ["t-lost"]
+    assert waiting(app) == 0 and not limiter.client.hlen(keys[3])
+
+
 def test_a_mover_whose_broker_is_down_keeps_every_copy_and_logs_once(
     redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
