@@ -16,6 +16,7 @@ Run with ``-s`` to see the figures.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -81,7 +82,7 @@ def test_a_paused_redis_delays_parked_copies_by_the_pause_only(
         first = starts[1] - resumed
         # the longest stretch without a start once the server went on: the copies a
         # lost claim took would wait out the claim's lease (30 s)
-        stall = max(b - a for a, b in zip(starts, starts[1:]))
+        stall = max(b - a for a, b in itertools.pairwise(starts))
         print(
             f"\n[paused park] {counts}; {parked_calls(server)} copies parked; a "
             f"{PAUSE:g}s SIGSTOP: first start {first:.2f}s after it ended, longest "
