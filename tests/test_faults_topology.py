@@ -29,6 +29,7 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter
+from celery_ratelimit._embedded import start_cluster
 from tests.fault_nodes import (
     Fleet,
     deferred_ids,
@@ -238,37 +239,10 @@ def test_sentinel_failover_mid_drain_loses_no_task(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[RedisServer]]:
-    # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
-    # often above 55535: give each node a bus port of its own
-    nodes = [
-        RedisServer(
-            "--cluster-enabled",
-            "yes",
-            "--cluster-node-timeout",
-            "2000",
-            "--cluster-port",
-            str(free_port()),
-        )
-        for _ in range(3)
-    ]
-    try:
-        cli = redis_binary("redis-cli")
-        assert cli is not None
-        subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-        for node in nodes:
-            wait_until(
-                lambda node=node: node.client().cluster("info")["cluster_state"] == "ok",
-                20,
-                "the cluster to be ok",
-            )
-        yield nodes
-    finally:
-        for node in nodes:
-            node.close()
+    nodes = start_cluster(3)
+    yield nodes
+    for node in nodes:
+        node.close()
 
 
 def node_id(server: RedisServer) -> str:
