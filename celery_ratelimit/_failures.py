@@ -62,6 +62,7 @@ ACL_COMMANDS = (
         "hget",
         "hdel",
         "hincrby",
+        "hgetall",
     ),
     *("zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem"),
     *("zremrangebyscore", "zrevrangebyscore", "zscore", "pttl"),

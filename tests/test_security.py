@@ -200,12 +200,15 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     # the park: a deferred copy parked, claimed by a mover, dropped once published
     park = limiter.client.register_script(source("park"))
     base = f"{limiter.prefix}:{{park:acl{n}}}"
-    parked = [f"{base}:due", f"{base}:copies", f"{base}:counts"]
+    parked = [f"{base}:due", f"{base}:copies", f"{base}:counts", f"{base}:claims"]
+    claim = ["claim", 1_000_000, 30_000_000, 10, "mover"]
     try:
-        park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])  # a mover is seen
+        park(keys=parked, args=[*claim, "0"])  # a mover is seen
         assert park(keys=parked, args=["park", "copy", 0, b"payload", 5_000_000]) > 0
-        claimed = park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])
+        claimed = park(keys=parked, args=[*claim, "0"])
         assert claimed[2:] == [b"copy", claimed[3]] and claimed[3].endswith(b"|payload")
+        # its reply lost: the mover takes back what its claims hold
+        assert park(keys=parked, args=[*claim, "1"])[2:] == claimed[2:]
         assert park(keys=parked, args=["drop", "copy"]) == 1
     except redis.RedisError as exc:  # as _park raises it
         raise limiter.translate(exc, "parking") from exc
