@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks import (
     bench_celery,
+    bench_cluster,
     bench_concurrency,
     bench_limiter,
     bench_pools,
@@ -288,11 +289,12 @@ def main() -> None:
     parser.add_argument(
         "--skip",
         default="",
-        help="sections to leave out, comma-separated: pools, scale, script-scale, concurrency",
+        help="sections to leave out, comma-separated: pools, scale, script-scale, "
+        "concurrency, cluster",
     )
     args = parser.parse_args()
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    unknown = skip - {"pools", "scale", "script-scale", "concurrency"}
+    unknown = skip - {"pools", "scale", "script-scale", "concurrency", "cluster"}
     if unknown:
         parser.error(f"unknown sections to skip: {', '.join(sorted(unknown))}")
     started = time.monotonic()
@@ -340,6 +342,8 @@ def main() -> None:
         results["script_scale"] = timed("script scale", bench_script_scale.run)
     if "concurrency" not in skip:
         results["concurrency"] = timed("concurrency", bench_concurrency.run_all)
+    if "cluster" not in skip:
+        results["cluster"] = timed("cluster", bench_cluster.run)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)
@@ -366,6 +370,8 @@ def main() -> None:
         docs_tables.write("row 10", bench_scale.table(results["scale"]))
     if "concurrency" in results:
         docs_tables.write("row 12", bench_concurrency.table(results["concurrency"]))
+    if "cluster" in results:
+        docs_tables.write("scaling out", bench_cluster.table(results["cluster"]))
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
     if {"scale", "script_scale"} <= results.keys() and curves.plot(

@@ -217,7 +217,9 @@ class LimiterBase:
             return None
         return ScriptCall("pause", keys, [int(min(seconds, MAX_HORIZON) * 1_000_000)])
 
-    def _override_call(self, key: str, rate: str | Rate | None, ttl: float | None) -> ScriptCall:
+    def _override_call(
+        self, key: str, rate: str | Rate | None, ttl: float | None, *, escaped: bool = False
+    ) -> ScriptCall:
         """The call that sets (or, ``rate`` None, removes) ``key``'s rate override.
 
         Raises:
@@ -236,7 +238,7 @@ class LimiterBase:
             ttl_us = max(int(ttl * 1_000_000), 1)
         parsed = None if rate is None else Rate.parse(rate)
         limit, window_us = (parsed.limit, parsed.window_us) if parsed is not None else (0, 0)
-        keys = [settings_key(self.prefix, escape_key(key))]
+        keys = [settings_key(self.prefix, key if escaped else escape_key(key))]
         return ScriptCall("override", keys, [limit, window_us, ttl_us])
 
     def _prepared(self, key: str | Sequence[str], shape: Shape) -> list[str]:
@@ -266,8 +268,9 @@ class LimiterBase:
         """
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
-                f"limits checked together must share their hash tag (the key's first "
-                f"segment) on Redis Cluster, got keys {keys}"
+                "limits checked together must share their hash tag on Redis Cluster (a "
+                "key's first segment, then the values its template fills in after it: "
+                f"'yt:quota:{{k}}' and 'yt:search:{{k}}' share one), got keys {keys}"
             )
         return script_keys(keys, limits)
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from ._base import DEFAULT_PREFIX
 from ._exceptions import InvalidLimit, LimiterMisconfigured, LimiterUnavailable, RateLimitError
+from ._keys import escape_key
+from ._layout import keys_of, tagged_keys
 from ._limiter import REDIS_ERRORS, Limiter
 from ._rate import Rate
 
@@ -171,9 +173,12 @@ def run_set(
     limiter = limiter_from(app, url, prefix)
     try:
         with url_named(app, url):
+            # a key a template rendered carries its values in its hash tag (``_keys``):
+            # its calls read the override there; found by the key's data, else as written
+            escaped = tagged_keys(keys_of(limiter.client, limiter.prefix, key)) or [escape_key(key)]
             # read just before it goes, to say whether there was one
-            before = override_of(limiter, key) if rate is None else None
-            limiter.override(key, rate, ttl=ttl)
+            before = override_of(limiter, escaped) if rate is None else None
+            limiter.override_keys(escaped, rate, ttl=ttl)
     finally:
         limiter.client.close()
     if rate is None and before is None:
@@ -184,19 +189,21 @@ def run_set(
     return [f"{key}: {Rate.parse(rate)} on every worker from its next decision, {lasts}"]
 
 
-def override_of(limiter: Limiter, key: str) -> Rate | None:
-    """The rate override in force for ``key``, if any."""
-    from ._keys import escape_key
+def override_of(limiter: Limiter, escaped: Sequence[str]) -> Rate | None:
+    """The rate override in force for any of the ``escaped`` keys, if any."""
     from ._layout import RATE_FIELD, parse_override, settings_key
     from ._ops import server_now_us
 
     try:
         now = server_now_us(limiter.client)
-        value = limiter.client.hget(settings_key(limiter.prefix, escape_key(key)), RATE_FIELD)
+        for key in escaped:
+            value = limiter.client.hget(settings_key(limiter.prefix, key), RATE_FIELD)
+            found = parse_override(value, now)
+            if found is not None:
+                return Rate(found[0], found[1])
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "an override read") from exc
-    found = parse_override(value, now)
-    return None if found is None else Rate(found[0], found[1])
+    return None
 
 
 def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:

@@ -21,13 +21,15 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
+from redis.connection import Encoder  # type: ignore[attr-defined]
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from ._exceptions import InvalidLimit
 
 
-def _hosts(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+def host_list(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
     userinfo, _, hostlist = netloc.rpartition("@")
     username = password = None
     if userinfo:
@@ -90,7 +92,7 @@ def check_url(url: object) -> str:
         if db and not db.isdigit():
             raise InvalidLimit(f"bad database number {db!r} in Redis URL {redacted(url)}")
     else:
-        _hosts(parts.netloc, url)
+        host_list(parts.netloc, url)
     return scheme
 
 
@@ -111,7 +113,7 @@ def client_from_url(
         options.setdefault("retry", Retry(NoBackoff(), 1))
         return redis.Redis.from_url(url, **timeouts, **options)
     parts = urlsplit(url)
-    username, password, hosts = _hosts(parts.netloc, url)
+    username, password, hosts = host_list(parts.netloc, url)
     tls = scheme.startswith("rediss")
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         path = [p for p in parts.path.split("/") if p]
@@ -121,7 +123,10 @@ def client_from_url(
             )
         master = path[0]
         db = int(path[1]) if len(path) > 1 else 0
-        sentinel = Sentinel(hosts, sentinel_kwargs=dict(timeouts), **timeouts)  # type: ignore[no-untyped-call]
+        # one try per sentinel (redis-py 6+ would retry each with a backoff: seconds
+        # before a closed port is told)
+        asking = {**timeouts, "retry": Retry(NoBackoff(), 0)}
+        sentinel = Sentinel(hosts, sentinel_kwargs=asking, **timeouts)  # type: ignore[no-untyped-call]
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             master,
             db=db,
@@ -131,7 +136,7 @@ def client_from_url(
             retry=options.pop("retry", Retry(NoBackoff(), 1)),
             **options,
         )
-    return RedisCluster(
+    return LazyCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in hosts],  # type: ignore[no-untyped-call]
         username=username,
         password=password,
@@ -139,6 +144,63 @@ def client_from_url(
         **timeouts,
         **options,
     )
+
+
+class LazyCluster:
+    """A ``RedisCluster`` made at its first command, used as one.
+
+    ``RedisCluster()`` asks a node for the slot map in its constructor: a cluster that
+    is down, or a server that is not one, would fail where the limiter is made, before
+    any failure handling sees it. Made here at the first command instead, its errors
+    meet the same handling as a command's (``_failures``); a failed attempt is made
+    again at the next command.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._client: RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def cluster(self) -> RedisCluster:
+        """The ``RedisCluster``, made now if not yet.
+
+        Raises:
+            redis.exceptions.RedisClusterException: no listed node answered as a
+                cluster node (down, or not in cluster mode).
+        """
+        client = self._client
+        if client is None:
+            with self._lock:
+                client = self._client
+                if client is None:
+                    client = self._client = RedisCluster(**self._options)
+        return client
+
+    def get_encoder(self) -> Any:
+        """The encoder of the client to be (a script's digest needs it, not a node)."""
+        return Encoder(  # type: ignore[no-untyped-call]
+            self._options.get("encoding", "utf-8"),
+            self._options.get("encoding_errors", "strict"),
+            self._options.get("decode_responses", False),
+        )
+
+    def register_script(self, script: str) -> Script:
+        return Script(self, script)  # type: ignore[arg-type]
+
+    def get_nodes(self) -> Any:
+        return self.cluster().get_nodes()  # type: ignore[no-untyped-call]
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        return self.cluster().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "connection_pool":
+            raise AttributeError(name)  # a cluster client has no pool
+        return getattr(self.cluster(), name)
 
 
 class HeldConnection:

@@ -159,6 +159,44 @@ class RedisServer:
         self.close()
 
 
+def start_cluster(primaries: int = 3) -> list[RedisServer]:
+    """A Redis Cluster of ``primaries`` private redis-servers, no replicas, every slot
+    served (``redis-cli --cluster create``); the caller closes each server.
+
+    Raises:
+        RuntimeError: no redis-cli, or the cluster was not ready within 20 s.
+    """
+    cli = redis_binary("redis-cli")
+    if cli is None:
+        raise RuntimeError("no redis-cli found: install Redis (apt-get install redis-server)")
+    # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
+    # often above 55535: give each node a bus port of its own
+    nodes = [
+        RedisServer(
+            "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
+            "--cluster-port", str(free_port()),
+        )
+        for _ in range(primaries)
+    ]  # fmt: skip
+    try:
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        for node in nodes:
+            while node.client().cluster("info")["cluster_state"] != "ok":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster was not ready within 20 s")
+                time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.close()
+        raise
+    return nodes
+
+
 class WorkerNodes:
     """N ``celery worker`` nodes of one app, each in its own process group.
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ._decision import Decision
 from ._exceptions import InvalidLimit
+from ._keys import logical_key
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
 from ._limiter import REDIS_ERRORS
@@ -112,7 +113,7 @@ def explain(
             state.limit = limit
             one = limiter.peek((), (limit,), cost, guard=guard_for_app(app), redis_keys=[redis_key])
             state.remaining, state.next_free = one.remaining, one.retry_after
-            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
+            result.limits.append(LimitExplanation(limit, logical_key(key), redis_key, cost, state))
         result.decision = limiter.peek(
             (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
         )

@@ -43,6 +43,8 @@ TRANSIENT_ERRORS = (
     errors.ClusterError,
     errors.RedisClusterException,
 )
+#: What redis-py's Cluster client says of a server not in cluster mode.
+NOT_A_CLUSTER = "Cluster mode is not enabled"
 #: Oldest Redis the scripts run on (they call ZMSCORE).
 MIN_REDIS_VERSION = (6, 2)
 #: Every command the limiter sends or its scripts call (checked against the ACL).
@@ -60,6 +62,7 @@ ACL_COMMANDS = (
         "hget",
         "hdel",
         "hincrby",
+        "hgetall",
     ),
     *("zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem"),
     *("zremrangebyscore", "zrevrangebyscore", "zscore", "pttl"),
@@ -82,6 +85,9 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
         prefix: the limiter's key prefix, for the ACL line of the fix.
     """
     text = str(exc)
+    if text.startswith("No master found"):
+        # redis-py appends every sentinel client's repr, a few kB each
+        text = text.split(" : <", 1)[0] + ": no sentinel named a primary"
     code = text.split(" ", 1)[0]
     if isinstance(exc, (errors.AuthenticationError, errors.AuthorizationError)):
         return LimiterMisconfigured(
@@ -93,6 +99,12 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
             f"the Redis server's TLS certificate was not trusted during {doing} ({text}): "
             "name the CA that signed it (rediss://host:port/db?ssl_ca_certs=/path/ca.crt) "
             "and a host name the certificate holds"
+        )
+    if isinstance(exc, errors.RedisClusterException) and NOT_A_CLUSTER in text:
+        return LimiterMisconfigured(
+            f"the limiter's redis+cluster:// URL names a Redis server that is not in "
+            f"cluster mode ({text}) during {doing}: use redis://host:port/db for a single "
+            "server, or name the nodes of a cluster (cluster-enabled yes)"
         )
     if isinstance(exc, (errors.ConnectionError, errors.TimeoutError, *TRANSIENT_ERRORS)):
         return LimiterUnavailable(f"Redis failed during {doing}: {text}")

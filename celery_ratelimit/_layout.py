@@ -7,9 +7,12 @@ tests read Redis through here.
 
 Keys
     ``{prefix}:{tag}:rest:{algorithm}:{window_us}``: a limit of ``window_us`` on the
-    logical key ``tag:rest`` (escaped; its first segment, in braces, is the Redis
-    Cluster hash tag, so all limits of one call share a slot). The log's pending set
-    (reservations whose task has not started) is that name + :data:`PENDING`. A
+    logical key ``first:rest`` (escaped). ``tag``, in braces, is the Redis Cluster hash
+    tag: the key's first segment, then the values its template filled in after it
+    (``ratelimit:{api:t1}:t1:log:1000000`` for ``api:{tenant}``; see ``_keys``), so a
+    key's slot depends on the key alone, and the limits of one call must share it.
+    The log's pending set (reservations whose task has not started) is that name +
+    :data:`PENDING`. A
     concurrency limit on ``tag:rest`` is ``{prefix}:{tag}:rest:conc:0`` (its holders),
     with its starts and waiters at that name + :data:`STARTS` and + :data:`PENDING`.
     The settings of ``tag:rest`` (a pause, a rate override) are the hash
@@ -47,7 +50,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ._keys import escape_key
+from ._keys import escape_key, split_tag
 from ._limit import Concurrency, Limit
 
 #: Scores below this are the log's meta members, not entries (entries are instants).
@@ -77,9 +80,8 @@ _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
 
 def _base(prefix: str, key: str) -> str:
-    tag, _, rest = key.partition(":")
-    tail = f":{rest}" if rest else ""
-    return f"{prefix}:{{{tag}}}{tail}"
+    tag, rest = split_tag(key)
+    return f"{prefix}:{{{tag}}}{rest}"
 
 
 def redis_key(prefix: str, key: str, limit: Limit | Concurrency) -> str:
@@ -143,14 +145,32 @@ def parse_key(prefix: str, name: str) -> KeyName | None:
     rest, _, algorithm = rest.rpartition(":")
     if algorithm not in ALGORITHMS or not window.isdigit():
         return None
-    return KeyName(name, tag + rest, algorithm, int(window))
+    return KeyName(name, tag.partition(":")[0] + rest, algorithm, int(window))
+
+
+def settings_logical_key(prefix: str, name: str) -> str:
+    """The logical key of the settings hash ``name`` (``{prefix}:{tag}rest:settings``)."""
+    tag, _, rest = name[len(prefix) + 2 : -len(":settings")].partition("}")
+    return tag.partition(":")[0] + rest
+
+
+def tagged_keys(names: Iterable[str]) -> list[str]:
+    """The escaped keys, hash tag marked, of Redis keys ``names`` (as the calls that
+    wrote them gave them): where a runtime override of their logical key must go."""
+    found = set()
+    for name in names:
+        tag, _, rest = name.partition("{")[2].partition("}")
+        rest = rest.rsplit(":", 2)[0]
+        first = tag.partition(":")[0]
+        found.add(f"{{{tag}}}{rest}" if tag != first else first + rest)
+    return sorted(found)
 
 
 def key_glob(prefix: str, key: str) -> str:
     """A SCAN pattern for every window and algorithm of the logical ``key``."""
-    tag, _, rest = escape_key(key).partition(":")
-    tail = f":{rest}" if rest else ""
-    return f"{_glob(prefix)}:{{{_glob(tag)}}}{_glob(tail)}:*"
+    first, rest = split_tag(escape_key(key))
+    # the tag is the first segment, or it and a template's values: ``{first*}``
+    return f"{_glob(prefix)}:{{{_glob(first)}*}}{_glob(rest)}:*"
 
 
 def prefix_glob(prefix: str) -> str:

@@ -281,6 +281,14 @@ class Limiter(LimiterBase):
         """
         self._script_reply(self._override_call(key, rate, ttl))
 
+    def override_keys(
+        self, escaped: Sequence[str], rate: str | Rate | None, *, ttl: float | None = None
+    ) -> None:
+        """:meth:`override` for keys already escaped (as ``status`` lists them, a
+        templated key's hash tag marked: see ``_keys``), one script call each."""
+        for key in escaped:
+            self._script_reply(self._override_call(key, rate, ttl, escaped=True))
+
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window
         and algorithm of ``key`` when ``limits`` is None (what ``celery ratelimit reset

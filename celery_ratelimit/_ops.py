@@ -33,6 +33,7 @@ from ._layout import (
     parse_key,
     parse_override,
     prefix_glob,
+    settings_logical_key,
 )
 from ._limit import AnyLimit, Concurrency, Limit, to_limits
 from ._limiter import REDIS_ERRORS, Limiter
@@ -222,7 +223,7 @@ def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings
             override = parse_override(rate, now)
             if not paused_for and override is None:
                 continue
-            key = name[len(limiter.prefix) + 2 : -len(":settings")].replace("}", "", 1)
+            key = settings_logical_key(limiter.prefix, name)
             if match is not None and not fnmatchcase(key, match):
                 continue
             row = KeySettings(key, paused_for)

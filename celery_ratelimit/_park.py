@@ -37,7 +37,7 @@ from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ._limiter import REDIS_ERRORS, Limiter
-from ._settings import limiter_for, park_after, setting
+from ._settings import limiter_for, park_after, park_undecided, setting
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -61,10 +61,11 @@ MOVER_SEEN = 5.0
 
 
 def park_keys(app: Any, limiter: Limiter) -> list[str]:
-    """The park of ``app``'s broker: its sorted set, its hash of copies, its counts."""
+    """The park of ``app``'s broker: its sorted set, its hash of copies, its counts, and
+    which mover's claim holds each claimed copy."""
     broker = str(app.conf.broker_write_url or app.conf.broker_url)
     base = f"{limiter.prefix}:{{park:{_digest(broker)}}}"
-    return [f"{base}:due", f"{base}:copies", f"{base}:counts"]
+    return [f"{base}:due", f"{base}:copies", f"{base}:counts", f"{base}:claims"]
 
 
 @lru_cache(maxsize=64)
@@ -116,23 +117,42 @@ def park(task: Any, signature: Any, countdown: float) -> bool:
     return int(due) >= 0
 
 
-def move_once(app: Any) -> float:
+class Claims:
+    """What a mover remembers between two looks: its id (its claims carry it), whether a
+    claim's reply may have been lost, and the copies it published but could not drop."""
+
+    def __init__(self) -> None:
+        self.mover = uuid.uuid4().hex
+        self.lost = False
+        self.undropped: list[bytes] = []
+
+
+def move_once(app: Any, claims: Claims | None = None) -> float:
     """Publish the parked copies of ``app``'s broker that are due within :data:`LEAD`;
     returns how long to sleep before the next look (seconds).
+
+    A claim that timed out may still have run (a Redis paused, then resumed): the copies
+    it took would wait for their claim to lapse. So after a failure the next claim
+    first takes back what this mover's claims hold (``claims``: a mover's own, kept
+    across looks), and published copies whose drop failed are dropped first.
 
     Raises:
         LimiterUnavailable, LimiterMisconfigured: Redis failed the claim or the drop.
         kombu.exceptions.OperationalError: the broker is unreachable (the copies of the
             claim not yet published stay claimed until the claim lapses).
     """
+    claims = claims or Claims()
     limiter = limiter_for(app)
     keys = park_keys(app, limiter)
+    if claims.undropped:
+        _drop(limiter, keys, claims)
+    arguments = ["claim", int(LEAD * 1e6), int(LEASE * 1e6), BATCH, claims.mover]
     try:
-        reply = limiter.run_script(
-            "park", keys, ["claim", int(LEAD * 1e6), int(LEASE * 1e6), BATCH]
-        )
+        reply = limiter.run_script("park", keys, [*arguments, "1" if claims.lost else "0"])
     except REDIS_ERRORS as exc:
+        claims.lost = True
         raise limiter.translate(exc, "claiming parked tasks") from exc
+    claims.lost = False
     now_us, first_us = int(reply[0]), int(reply[1])
     published = []
     broker_down: OperationalError | None = None
@@ -154,10 +174,8 @@ def move_once(app: Any) -> float:
             continue
         published.append(copy_id)
     if published:
-        try:
-            limiter.run_script("park", keys, ["drop", *published])
-        except REDIS_ERRORS as exc:
-            raise limiter.translate(exc, "dropping published parked tasks") from exc
+        claims.undropped = published
+        _drop(limiter, keys, claims)
     if broker_down is not None:
         raise broker_down
     if len(reply) - 2 >= 2 * BATCH:
@@ -166,6 +184,20 @@ def move_once(app: Any) -> float:
         return POLL
     # the next copy comes due within LEAD then; copies due together go in one claim
     return min(POLL, max((first_us - now_us) / 1e6 - LEAD, TICK))
+
+
+def _drop(limiter: Limiter, keys: list[str], claims: Claims) -> None:
+    """Drop the copies ``claims`` published.
+
+    Raises:
+        LimiterUnavailable, LimiterMisconfigured: Redis failed (they are dropped at
+            the next look).
+    """
+    try:
+        limiter.run_script("park", keys, ["drop", *claims.undropped])
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "dropping published parked tasks") from exc
+    claims.undropped = []
 
 
 def _publish(app: Any, value: bytes, accept: Any) -> None:
@@ -184,13 +216,14 @@ class Mover(threading.Thread):
         super().__init__(name="celery-ratelimit-mover", daemon=True)
         self.app = app
         self.stopping = threading.Event()
+        self.claims = Claims()
 
     def run(self) -> None:
         interval = setting("ratelimit_warning_interval", self.app)
         last_logged = -interval
         while not self.stopping.is_set():
             try:
-                pause = move_once(self.app)
+                pause = move_once(self.app, self.claims)
             except Exception as exc:  # Redis down, the broker down: keep trying
                 pause = ERROR_PAUSE
                 if time.monotonic() - last_logged >= interval:
@@ -224,6 +257,9 @@ def _start_mover(sender: Any = None, **_: Any) -> None:
     if app is None or os.getpid() in _movers or not limited(app):
         return
     if park_after(app) is None:
+        undecided = park_undecided(app)
+        if undecided:
+            logger.info("ratelimit: %s", undecided)
         return  # an app-wide setting: no node parks
     mover = _movers[os.getpid()] = Mover(app)
     mover.start()

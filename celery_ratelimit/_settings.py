@@ -8,6 +8,7 @@ option (``@app.task(base=RateLimitedTask, ratelimit_max_deferrals=3)`` or the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 from celery import signals
 
 from ._base import DEFAULT_PREFIX
-from ._client import check_url
+from ._client import check_url, host_list, redacted
 from ._exceptions import InvalidLimit
 from ._limit import REDIS_ERROR_POLICIES
 from ._limiter import Limiter
@@ -213,20 +214,110 @@ def park_after(app: Any) -> float | None:
     value = setting("ratelimit_park_after", app)
     if value != "auto":
         return value  # type: ignore[no-any-return]
-    return PARK_AFTER if same_server(redis_url(app), app.conf.broker_url) else None
+    return PARK_AFTER if _same_as_broker(app) else None
 
 
-def same_server(url: str, broker: Any) -> bool:
-    """Is the Redis of ``url`` the server of the broker URL ``broker`` (any database)?"""
+def park_undecided(app: Any) -> str | None:
+    """Why "auto" could not tell whether the limiter's Redis is the broker's (parking is
+    then off), or None when it could, or when ``ratelimit_park_after`` is set."""
+    if setting("ratelimit_park_after", app) != "auto" or _same_as_broker(app) is not None:
+        return None
+    return (
+        f"cannot tell whether the limiter's Redis {redacted(redis_url(app))} is the "
+        f"broker's server {redacted(_broker(app))}, so deferred tasks are not parked in it; "
+        f"set ratelimit_park_after = {PARK_AFTER:g} if it is, or None to silence this"
+    )
+
+
+def _broker(app: Any) -> Any:
+    broker = app.conf.broker_url
+    return ";".join(broker) if isinstance(broker, (list, tuple)) else broker
+
+
+def _same_as_broker(app: Any) -> bool | None:
+    options = app.conf.broker_transport_options or {}
+    return same_server(redis_url(app), _broker(app), options.get("master_name"))
+
+
+def same_server(url: str, broker: Any, master_name: Any = None) -> bool | None:
+    """Is the Redis of ``url`` the server of the broker URL ``broker`` (any database)?
+
+    Every URL form of ``_client`` is compared by its parsed nodes: a Cluster is the
+    broker's server when the broker is one of its nodes; Sentinel, when the broker asks
+    the same sentinels for the same service (``master_name``, kombu's transport option).
+    None: it cannot be told without asking the servers (a Sentinel service against a
+    plain server URL, a Cluster none of whose listed nodes is the broker).
+    """
+    mine = servers(url)
+    theirs = _broker_servers(broker, master_name)
+    if mine is None or theirs is None:
+        return False if theirs is None else None
+    (kind, service, nodes), (their_kind, their_service, their_nodes) = mine, theirs
+    shared = bool(nodes & their_nodes)
+    if kind == their_kind == "sentinel":
+        if service is None or their_service is None:
+            return None
+        return service == their_service and shared
+    if kind == their_kind:
+        return shared
+    if kind == "cluster" and their_kind == "server":
+        return True if shared else None
+    if "unix" in (kind, their_kind):
+        return False
+    return None
+
+
+Servers = tuple[str, "str | None", frozenset[Any]]
+
+
+def servers(url: str) -> Servers | None:
+    """``(kind, service, nodes)`` of a limiter URL: kind ``server``, ``unix``, ``cluster``
+    or ``sentinel`` (whose service is the master's name); None if it is none of these."""
+    try:
+        scheme = check_url(url)
+    except InvalidLimit:
+        return None
+    parts = urlsplit(url)
+    if scheme == "unix":
+        return ("unix", None, frozenset([parts.path]))
+    if scheme in ("redis", "rediss"):
+        return ("server", None, frozenset([(_host(parts.hostname), parts.port or 6379)]))
+    _user, _password, hosts = host_list(parts.netloc, url)
+    nodes = frozenset((_host(h), p) for h, p in hosts)
+    if scheme.endswith("+cluster"):
+        return ("cluster", None, nodes)
+    service = next((p for p in parts.path.split("/") if p), None)
+    return ("sentinel", service, nodes)
+
+
+def _broker_servers(broker: Any, master_name: Any) -> Servers | None:
+    """What :func:`servers` tells of a Celery broker URL (kombu's forms: ``redis://``,
+    ``rediss://``, ``unix://``, ``redis+socket://``, ``sentinel://h:p;sentinel://h:p``
+    with the service in the ``master_name`` transport option); None if not Redis."""
     if not isinstance(broker, str):
-        return False
-    first = broker.split(";")[0]
-    if not first.startswith(("redis://", "rediss://", "unix://")):
-        return False
-    a, b = urlsplit(url), urlsplit(first)
-    if a.scheme == "unix" or b.scheme == "unix":
-        return a.scheme == b.scheme and a.path == b.path
-    return (a.hostname, a.port or 6379) == (b.hostname, b.port or 6379)
+        return None
+    urls = [part.strip() for part in broker.split(";") if part.strip()]
+    if not urls:
+        return None
+    first = urls[0]
+    if first.startswith("redis+socket://"):
+        return ("unix", None, frozenset([urlsplit(first).path]))
+    if first.startswith(("redis://", "rediss://", "unix://")):
+        return servers(first)
+    if not first.startswith("sentinel://"):
+        return None
+    nodes = set()
+    for part in urls:
+        parts = urlsplit(part)
+        with contextlib.suppress(ValueError):
+            nodes.add((_host(parts.hostname), parts.port or 26379))
+    service = master_name if isinstance(master_name, str) and master_name else None
+    return ("sentinel", service, frozenset(nodes))
+
+
+def _host(name: str | None) -> str:
+    host = (name or "localhost").lower()
+    return "127.0.0.1" if host == "localhost" else host
 
 
 _limiters: dict[tuple[int, str, str], Limiter] = {}

@@ -45,14 +45,14 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 
-# The key's first segment is the Redis Cluster hash tag: it picks the slot (and so
-# the cluster node) that holds the key. With "tenant:{tenant}" the tag is the
-# constant "tenant", so every tenant's budget would sit in one slot, on one node: a
-# hot spot that no resharding can split. "{tenant}:api" puts the tenant itself first,
-# so "acme:api" and "globex:api" hash to different slots and tenants spread over the
-# cluster. (Limits checked together in one call must share the tag: a per-tenant
-# quota next to this one would be "{tenant}:quota".) On a single Redis it makes no
-# difference.
+# The Redis Cluster hash tag picks the slot (and so the cluster node) that holds the
+# key: a key's first segment and the values its template fills in after it. With
+# "{tenant}:api" the tag is the tenant itself ("api:{tenant}" would be tagged
+# "api:<tenant>", as good), so "acme:api" and "globex:api" hash to different slots and
+# tenants spread over the cluster. The tenant first also gives a string key the same
+# tag: a producer checking `limiter.peek("acme:api", ...)` reads this very budget.
+# (Limits checked together in one call must share the tag: a per-tenant quota next to
+# this one would be "{tenant}:quota".) On a single Redis it makes no difference.
 TENANT_LIMIT = Limit(TENANT_RATE, key="{tenant}:api", name="tenant-api")
 
 _client: redis.Redis | None = None

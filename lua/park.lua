@@ -9,13 +9,16 @@
 -- KEYS[2]  hash: copy id -> "<due µs>|<payload>" (the payload is opaque here)
 -- KEYS[3]  hash: calls of each operation ("park", "claim", "drop") and copies published
 --          ("published"), for monitoring; "mover": when a mover last claimed (µs)
+-- KEYS[4]  hash: copy id -> the id of the mover whose claim holds it
 -- ARGV[1]  "park" | "claim" | "drop"
 --
 -- park   ARGV[2] copy id, ARGV[3] delay (µs from now), ARGV[4] payload, ARGV[5] how
 --        recently (µs) some mover must have claimed: a park no mover serves takes no copy.
 --        Reply: when the copy is due (µs, Redis time), or -1 if it was not parked.
 -- claim  ARGV[2] lead (µs): claim copies due within this from now;
---        ARGV[3] lease (µs); ARGV[4] at most this many copies.
+--        ARGV[3] lease (µs); ARGV[4] at most this many copies; ARGV[5] the mover's id;
+--        ARGV[6] "1": first the copies this mover's earlier claims hold (a claim whose
+--        reply it lost: a timeout while Redis was paused still ran the claim after).
 --        Reply: {now µs, the earliest score left (µs) or -1, id, value, id, value, ...}
 -- drop   ARGV[2..] copy ids that were published. Reply: how many were dropped.
 
@@ -31,6 +34,7 @@ if op == 'drop' then
     return 0
   end
   redis.call('HDEL', KEYS[2], unpack(ids))
+  redis.call('HDEL', KEYS[4], unpack(ids))
   redis.call('HINCRBY', KEYS[3], 'published', #ids)
   return redis.call('ZREM', KEYS[1], unpack(ids))
 end
@@ -52,17 +56,37 @@ end
 if op == 'claim' then
   redis.call('HSET', KEYS[3], 'mover', string.format('%.0f', now))
   local lapse = now + tonumber(ARGV[3])
-  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]),
-    'LIMIT', 0, tonumber(ARGV[4]))
+  local most = tonumber(ARGV[4])
+  local mover = ARGV[5]
+  local ids = {}
+  if ARGV[6] == '1' then
+    local holders = redis.call('HGETALL', KEYS[4])
+    for i = 1, #holders, 2 do
+      if holders[i + 1] == mover and #ids < most then
+        ids[#ids + 1] = holders[i]
+      end
+    end
+  end
+  if #ids < most then
+    local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]),
+      'LIMIT', 0, most - #ids)
+    for _, id in ipairs(due) do
+      ids[#ids + 1] = id
+    end
+  end
   local reply = {now, -1}
+  local seen = {}
   for _, id in ipairs(ids) do
     local value = redis.call('HGET', KEYS[2], id)
-    if value then
+    if value and not seen[id] then
+      seen[id] = true -- a copy both held and due: once
       redis.call('ZADD', KEYS[1], lapse, id)
+      redis.call('HSET', KEYS[4], id, mover)
       reply[#reply + 1] = id
       reply[#reply + 1] = value
-    else
+    elseif not value then
       redis.call('ZREM', KEYS[1], id) -- dropped meanwhile: nothing to publish
+      redis.call('HDEL', KEYS[4], id)
     end
   end
   local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')

@@ -203,6 +203,9 @@ class Fleet:
         if self._producer is None:
             self._producer = Celery("producer", broker=self.broker_url)
             self._producer.conf.broker_connection_retry_on_startup = True
+            if "master_name" in self.settings:
+                options = {"master_name": self.settings["master_name"]}
+                self._producer.conf.broker_transport_options = options
         return self._producer
 
     def send(self, name: str, *args: Any, **options: Any) -> str:

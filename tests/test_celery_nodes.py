@@ -291,8 +291,9 @@ def test_two_tenants_at_the_same_limit_do_not_share_a_budget(nodes: Nodes) -> No
     # one shared budget would never allow more than 10 in a window
     assert combined > 10
     with nodes.redis() as client:
-        keys = sorted(k.decode() for k in client.scan_iter(f"{nodes.prefix}:{{api}}:*"))
-    assert [k.split(":")[2] for k in keys] == ["acme", "globex"], keys
+        keys = sorted(k.decode() for k in client.scan_iter(f"{nodes.prefix}:{{api:*}}:*"))
+    # one key per tenant, each tagged with its tenant: a slot of its own on a Cluster
+    assert [k.split(":")[2] for k in keys] == ["acme}", "globex}"], keys
 
 
 def test_weighted_costs_and_a_stacked_cap_both_hold(nodes: Nodes) -> None:

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Concurrency, Limit, Limiter, Rate
+from celery_ratelimit._keys import render
 from tests.examples_env import run
 from tests.redis_server import RedisServer, free_port
 
@@ -142,9 +143,11 @@ def test_reset_removes_every_window_of_the_key_and_nothing_else(
 def test_explain_shows_limits_keys_and_decision_without_consuming(
     server: RedisServer, limiter: Limiter, env: dict[str, str]
 ) -> None:
-    limiter.acquire("yt:quota:key1", Limit(QUOTA), cost=9450)
+    # the task's key, as its template renders it: tagged with the API key (``_keys``)
+    rendered = render("yt:quota:{api_key}", {"api_key": "key1"}, ())
+    limiter.acquire([rendered], Limit(QUOTA), 9450)
     client = redis.Redis.from_url(server.url)
-    key = "example:{yt}:quota:key1:log:600000000"
+    key = "example:{yt:key1}:quota:key1:log:600000000"
     state = (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0)
     task = f"{APP}.search_list"
     out = cli("explain", "-A", APP, task, "key1", "US", "--kwargs", '{"query": "cats"}', env=env)
@@ -152,14 +155,14 @@ def test_explain_shows_limits_keys_and_decision_without_consuming(
     assert "limits    the task's ratelimit option" in out
     assert "1. yt:quota:{api_key}@9500/600s  (9500/600s, log, cost 100)" in out
     assert f"redis key  {key}" in out
-    assert "redis key  example:{yt}:search:key1:log:25000000" in out
+    assert "redis key  example:{yt:key1}:search:key1:log:25000000" in out
     assert "used 9450/9500 (0 reserved slot(s)), remaining 50" in out
     denied = "decision  denied by yt:quota:{api_key}@9500/600s: it fits"
     assert 0 < seconds_after(out, denied) <= 600
     assert "nothing was counted" in out
     # peek: the quota's total and entries are as they were, and the cap's key was not made
     assert (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0) == state
-    assert not client.exists("example:{yt}:search:key1:log:25000000")
+    assert not client.exists("example:{yt:key1}:search:key1:log:25000000")
     # a cheap call still fits
     out = cli("explain", "-A", APP, f"{APP}.videos_list", "key1", "US", "3", env=env)
     assert "decision  allowed now (50 free before this call)" in out

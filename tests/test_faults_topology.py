@@ -1,11 +1,17 @@
 """Sentinel failover and Redis Cluster, with real redis-server processes on loopback.
 
-- Sentinel: one primary, one replica and one sentinel (``redis-server sentinel.conf
-  --sentinel``, down-after 1 s, failover-timeout 3 s), worker nodes on a
-  ``redis+sentinel://`` URL; the primary is killed (SIGKILL) in the middle of a drain.
+Worker nodes run with default settings on the README's URL forms, every host named:
+``redis+sentinel://h:p,h:p,h:p/mymaster/0`` and ``redis+cluster://h:p,h:p,h:p``.
+
+- Sentinel: one primary, one replica and three sentinels (``redis-server sentinel.conf
+  --sentinel``, quorum 2, down-after 1 s, failover-timeout 3 s). With the broker on the
+  same Sentinel group (kombu's ``sentinel://``) copies are parked there; with a broker
+  of its own the park stays off (saying so once) and the primary is killed (SIGKILL) in
+  the middle of a drain.
 - Cluster: three primaries (``--cluster-enabled yes``, ``redis-cli --cluster create``),
   many tenants with two limits each, then one slot moved by hand (``CLUSTER SETSLOT``
-  and ``MIGRATE``) while the client still holds the old slot map.
+  and ``MIGRATE``) while the client still holds the old slot map; worker nodes on
+  per-tenant keys (``api:{tenant}``), whose keys land on several primaries.
 
 Run with ``-s`` to see the figures.
 """
@@ -23,6 +29,7 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter
+from celery_ratelimit._embedded import start_cluster
 from tests.fault_nodes import (
     Fleet,
     deferred_ids,
@@ -56,13 +63,14 @@ def wait_until(predicate: object, timeout: float, what: str) -> None:
 class Sentinel:
     """A ``redis-server --sentinel`` watching ``mymaster`` with quick failure detection."""
 
-    def __init__(self, directory: Path, primary_port: int) -> None:
+    def __init__(self, directory: Path, primary_port: int, quorum: int = 2) -> None:
         self.port = free_port()
+        directory.mkdir(parents=True, exist_ok=True)
         conf = directory / "sentinel.conf"
         conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndir {directory}\n"
             f"logfile {directory / 'sentinel.log'}\n"
-            f"sentinel monitor mymaster 127.0.0.1 {primary_port} 1\n"
+            f"sentinel monitor mymaster 127.0.0.1 {primary_port} {quorum}\n"
             "sentinel down-after-milliseconds mymaster 1000\n"
             "sentinel failover-timeout mymaster 3000\n"
             "sentinel parallel-syncs mymaster 1\n"
@@ -84,43 +92,100 @@ class Sentinel:
         self.proc.wait(5)
 
 
-@pytest.fixture
-def sentinel_set(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer, Sentinel]]:
+SentinelSet = tuple[RedisServer, RedisServer, list["Sentinel"]]
+
+
+@pytest.fixture(scope="module")
+def sentinel_set(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSet]:
+    """A primary, its replica and three sentinels (quorum 2), for the whole module: the
+    failover test, which kills the primary, comes last."""
+    directory = tmp_path_factory.mktemp("sentinels")
     primary = RedisServer()
     replica = RedisServer("--replicaof", "127.0.0.1", str(primary.port))
-    sentinel = Sentinel(tmp_path, primary.port)
+    sentinels = [Sentinel(directory / f"s{n}", primary.port) for n in range(3)]
     try:
         wait_until(
             lambda: replica.client().info("replication")["master_link_status"] == "up",
             15,
             "the replica to sync",
         )
-        wait_until(
-            lambda: len(sentinel.client.sentinel_slaves("mymaster")) == 1,
-            20,
-            "the sentinel to discover the replica",
-        )
-        yield primary, replica, sentinel
+        for sentinel in sentinels:
+            wait_until(
+                lambda s=sentinel: (
+                    len(s.client.sentinel_slaves("mymaster")) == 1
+                    and len(s.client.sentinel_sentinels("mymaster")) == 2
+                ),
+                30,
+                "each sentinel to discover the replica and the other sentinels",
+            )
+        yield primary, replica, sentinels
     finally:
-        sentinel.close()
+        for sentinel in sentinels:
+            sentinel.close()
         replica.close()
         primary.close()
 
 
-def test_sentinel_failover_mid_drain_loses_no_task(
-    sentinel_set: tuple[RedisServer, RedisServer, Sentinel],
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
+def sentinel_url(sentinels: list[Sentinel]) -> str:
+    """The README's form: every sentinel named."""
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in sentinels)
+    return f"redis+sentinel://{hosts}/mymaster/0"
+
+
+def parked(server: RedisServer, prefix: str) -> int:
+    """Copies parked under ``prefix`` on ``server``, by the park's own counts."""
+    client = server.client()
+    keys = list(client.scan_iter(match=f"{prefix}:{{park:*}}:counts"))
+    total = sum(int(client.hget(key, "park") or 0) for key in keys)
+    client.close()
+    return total
+
+
+def test_a_broker_on_the_same_sentinel_group_parks_there(
+    sentinel_set: SentinelSet, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    primary, replica, sentinel = sentinel_set
+    primary, _replica, sentinels = sentinel_set
+    runs = RedisServer()
+    fleet = Fleet(
+        tmp_path / "nodes",
+        # kombu's Sentinel transport, on the limiter's sentinels and service
+        broker_url=";".join(f"sentinel://127.0.0.1:{s.port}/1" for s in sentinels),
+        limiter_url=sentinel_url(sentinels),
+        runs_url=runs.url,
+        prefix=unique_prefix("sentinel-park"),
+        settings={"rate": f"{LIMIT}/s", "master_name": "mymaster"},
+    )
+    try:
+        fleet.add(2)
+        ids = [fleet.send("limited", i) for i in range(45)]
+        done = fleet.wait_for_runs(ids, 60)
+        counts = tally(ids, done)
+        copies = parked(primary, fleet.prefix)
+        print(f"\n[sentinel broker and limiter] {counts}; {copies} copies parked")
+        assert counts["lost"] == counts["duplicated"] == 0, counts
+        assert max_grants(done, WINDOW_US) <= LIMIT
+        assert copies > 0  # the same server as the broker's: parked there
+        assert not fleet.grep("cannot tell whether")
+        assert not fleet.grep("ERROR")
+    finally:
+        print_on_failure(request, fleet)
+        fleet.stop()
+        runs.close()
+
+
+def test_sentinel_failover_mid_drain_loses_no_task(
+    sentinel_set: SentinelSet, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    primary, replica, sentinels = sentinel_set
+    sentinel = sentinels[0]
     broker = RedisServer()
     fleet = Fleet(
         tmp_path / "nodes",
         broker_url=f"redis://127.0.0.1:{broker.port}/1",
-        limiter_url=f"redis+sentinel://127.0.0.1:{sentinel.port}/mymaster/0",
+        limiter_url=sentinel_url(sentinels),
         runs_url=f"redis://127.0.0.1:{broker.port}/3",
         prefix=unique_prefix("sentinel"),
-        settings={"rate": f"{LIMIT}/s", "error_countdown": "0.5"},
+        settings={"rate": f"{LIMIT}/s"},
     )
     try:
         fleet.add(2)
@@ -158,6 +223,11 @@ def test_sentinel_failover_mid_drain_loses_no_task(
         # the new primary is the old replica, and the limiter wrote there
         keys = replica.client().keys(f"{fleet.prefix}:*")
         assert keys
+        # a broker of its own: "auto" cannot tell it from the Sentinel's primary, so it
+        # parks nothing and says so once per node, at INFO
+        notes = fleet.grep("cannot tell whether")
+        assert len(notes) == 2 and all("INFO" in line for line in notes), notes
+        assert parked(replica, fleet.prefix) == 0
     finally:
         print_on_failure(request, fleet)
         fleet.stop()
@@ -169,37 +239,10 @@ def test_sentinel_failover_mid_drain_loses_no_task(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[RedisServer]]:
-    # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
-    # often above 55535: give each node a bus port of its own
-    nodes = [
-        RedisServer(
-            "--cluster-enabled",
-            "yes",
-            "--cluster-node-timeout",
-            "2000",
-            "--cluster-port",
-            str(free_port()),
-        )
-        for _ in range(3)
-    ]
-    try:
-        cli = redis_binary("redis-cli")
-        assert cli is not None
-        subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-        for node in nodes:
-            wait_until(
-                lambda node=node: node.client().cluster("info")["cluster_state"] == "ok",
-                20,
-                "the cluster to be ok",
-            )
-        yield nodes
-    finally:
-        for node in nodes:
-            node.close()
+    nodes = start_cluster(3)
+    yield nodes
+    for node in nodes:
+        node.close()
 
 
 def node_id(server: RedisServer) -> str:
@@ -272,28 +315,53 @@ def test_cluster_spreads_tenants_over_shards_keeps_each_call_in_one_slot_and_fol
     limiter.client.close()
 
 
-def test_worker_nodes_on_a_cluster_url_hold_the_limit(
+def test_worker_nodes_on_a_cluster_url_hold_the_limit_and_spread_tenants(
     cluster: list[RedisServer], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     broker = RedisServer()
+    hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster)
     fleet = Fleet(
         tmp_path / "nodes",
         broker_url=f"redis://127.0.0.1:{broker.port}/1",
-        limiter_url=f"redis+cluster://127.0.0.1:{cluster[0].port}",
+        limiter_url=f"redis+cluster://{hosts}",
         runs_url=f"redis://127.0.0.1:{broker.port}/3",
         prefix=unique_prefix("cluster"),
         settings={"rate": f"{LIMIT}/s"},
     )
+    tenants = [f"tenant{n}" for n in range(8)]
     try:
         fleet.add(2)
-        ids = [fleet.send("limited", i) for i in range(30)]
-        runs = fleet.wait_for_runs(ids, 30)
-        counts = tally(ids, runs)
+        ids = [fleet.send("limited", i) for i in range(25)]
+        by_tenant = {t: [fleet.send("per_tenant", t, i) for i in range(15)] for t in tenants}
+        every = ids + [i for sent in by_tenant.values() for i in sent]
+        # which primary holds each tenant's key, looked at while the drain runs (a key
+        # expires a moment after its window once idle)
+        holders: dict[str, set[int]] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for node in cluster:
+                for key in node.client().scan_iter(match=f"{fleet.prefix}:{{api:*"):
+                    holders.setdefault(key.decode().split("}")[0], set()).add(node.port)
+            if {r["id"] for r in fleet.runs()} >= set(every):
+                break
+            time.sleep(0.2)
+        runs = fleet.wait_for_runs(every, 10)
+        counts = tally(every, runs)
+        primaries = {port for ports in holders.values() for port in ports}
         print(
-            f"\n[cluster, worker nodes] {counts}, max grants/window {max_grants(runs, WINDOW_US)}"
+            f"\n[cluster, worker nodes] {counts}, max grants/window "
+            f"{max_grants([r for r in runs if r['id'] in ids], WINDOW_US)} (shared key); "
+            f"{len(holders)} tenants' keys seen on {len(primaries)} of 3 primaries"
         )
         assert counts["lost"] == counts["duplicated"] == 0, counts
-        assert max_grants(runs, WINDOW_US) <= LIMIT
+        assert max_grants([r for r in runs if r["id"] in ids], WINDOW_US) <= LIMIT
+        for sent in by_tenant.values():
+            assert max_grants([r for r in runs if r["id"] in sent], WINDOW_US) <= LIMIT
+        assert len(primaries) > 1, holders  # the tenants' keys spread over the shards
+        # the broker is no node of the cluster: nothing parked, said once per node
+        notes = fleet.grep("cannot tell whether")
+        assert len(notes) == 2 and all("INFO" in line for line in notes), notes
+        assert not fleet.grep("ERROR")
     finally:
         print_on_failure(request, fleet)
         fleet.stop()

@@ -8,6 +8,8 @@ import re
 import pytest
 
 from celery_ratelimit import Limit, Limiter
+from celery_ratelimit._cli import run_set
+from celery_ratelimit._keys import logical_key, render
 from celery_ratelimit._layout import (
     COUNTER_FIELDS,
     ENTRY_FLOOR,
@@ -16,13 +18,15 @@ from celery_ratelimit._layout import (
     RATE_FIELD,
     TOKEN_LEN,
     WINDOW_META,
+    KeyName,
+    keys_of,
     log_entries,
     log_total,
     parse_key,
     parse_override,
     redis_key,
 )
-from celery_ratelimit._ops import key_status
+from celery_ratelimit._ops import key_settings, key_status
 from celery_ratelimit._scripts import source
 
 
@@ -57,14 +61,17 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     assert settings in source("acquire")
 
 
-@pytest.mark.parametrize("key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd"])
+@pytest.mark.parametrize(
+    "key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd", "{api:t1}:t1", "{yt:K}:quota:K"]
+)
 @pytest.mark.parametrize("rate", ["10/s", "9500/d"])
 @pytest.mark.parametrize("algorithm", ["log", "counter"])
 def test_every_key_name_reads_back(key: str, rate: str, algorithm: str) -> None:
     limit = Limit(rate, algorithm=algorithm)
     name = parse_key("ratelimit", redis_key("ratelimit", key, limit))
     assert name is not None
-    assert (name.key, name.algorithm, name.window_us) == (key, algorithm, limit.rate.window_us)
+    expected = (logical_key(key), algorithm, limit.rate.window_us)
+    assert (name.key, name.algorithm, name.window_us) == expected
 
 
 def test_what_the_script_writes_is_what_the_layout_reads(limiter: Limiter) -> None:
@@ -87,3 +94,53 @@ def test_an_override_reads_back_until_it_lapses(limiter: Limiter) -> None:
     assert (limit, window_us) == (50, 1_000_000)
     assert 0 < until - now <= 61_000_000
     assert parse_override(value, until) is None
+
+
+def tag_of(name: str) -> str:
+    return name.split("{", 1)[1].split("}", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("templates", "arguments", "tags"),
+    [
+        (["api:{tenant}"], {"tenant": "t1"}, ["api:t1"]),  # a slot per tenant
+        (["yt:quota:{k}", "yt:search:{k}"], {"k": "K"}, ["yt:K", "yt:K"]),  # one call, one slot
+        (["yt:quota", "yt:search"], {}, ["yt", "yt"]),  # no values: the first segment
+        (["{tenant}:erp"], {"tenant": "t1"}, ["t1"]),
+        (["{tenant}:{region}:calls"], {"tenant": "t", "region": "eu"}, ["t:eu"]),
+    ],
+)
+def test_a_keys_hash_tag_is_its_first_segment_and_the_values_filled_in_after_it(
+    templates: list[str], arguments: dict[str, str], tags: list[str]
+) -> None:
+    limit = Limit("10/s")
+    for template, tag in zip(templates, tags, strict=True):
+        rendered = render(template, arguments, ())
+        name = redis_key("ratelimit", rendered, limit)
+        assert tag_of(name) == tag
+        # read back as written, and the same Redis key whichever call it is in
+        assert parse_key("ratelimit", name) == KeyName(
+            name, logical_key(rendered), "log", 1_000_000
+        )
+        assert logical_key(rendered) == template.format(**arguments)
+
+
+def test_a_templated_key_is_reset_overridden_and_shown_by_the_key_as_written(
+    limiter: Limiter,
+) -> None:
+    rate = Limit("2/m")
+    rendered = render("api:{tenant}", {"tenant": "t1"}, ())
+    keys = limiter.keys_for([rendered], rate)
+    assert keys == [f"{limiter.prefix}:{{api:t1}}:t1:log:60000000"]
+    assert limiter.acquire([rendered], rate).allowed
+    assert keys_of(limiter.client, limiter.prefix, "api:t1") == keys
+    # `celery ratelimit set api:t1 1/m` reaches the calls of the template
+    run_set(None, limiter_url(limiter), limiter.prefix, "api:t1", "1/m", None)
+    assert not limiter.acquire([rendered], rate).allowed
+    assert [row.key for row in key_settings(limiter)] == ["api:t1"]
+    assert limiter.reset("api:t1") == keys
+
+
+def limiter_url(limiter: Limiter) -> str:
+    kwargs = limiter.client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"

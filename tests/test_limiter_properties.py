@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._decision import token_bytes_of
-from celery_ratelimit._keys import MAX_KEY, escape_part, render
+from celery_ratelimit._keys import MAX_KEY, MAX_TAG, escape_part, logical_key, render
 from celery_ratelimit._layout import PENDING, redis_key
 from tests.calls import CONFIRM, RESERVE, RESTAMP, decide
 from tests.log_reader import (
@@ -162,11 +162,12 @@ def test_distinct_argument_values_never_share_a_key_or_move_the_hash_tag(
     ka = render("tenant:{x}:calls", {"x": a}, ())
     kb = render("tenant:{x}:calls", {"x": b}, ())
     assert (ka == kb) == (str(a) == str(b))
-    for rendered in (ka, kb):
+    for value, rendered in ((a, ka), (b, kb)):
         full = redis_key("ratelimit", rendered, RATE)
-        assert full.startswith("ratelimit:{tenant}:")
+        # the tag: the first segment and the value, whole (one slot per tenant)
+        assert full.startswith(f"ratelimit:{{tenant:{escape_part(value)}}}:")
         assert full.count("{") == full.count("}") == 1
-        assert rendered.count(":") == 2  # the value cannot add a segment
+        assert logical_key(rendered).count(":") == 2  # the value cannot add a segment
     ta = render("{x}:calls", {"x": a}, ())
     tb = render("{x}:calls", {"x": b}, ())
     assert (ta == tb) == (str(a) == str(b))
@@ -178,9 +179,11 @@ def test_distinct_argument_values_never_share_a_key_or_move_the_hash_tag(
 @given(value=st.one_of(st.text(min_size=100, max_size=5000), st.binary(min_size=1, max_size=5000)))
 def test_long_and_binary_values_give_bounded_printable_keys(value: str | bytes) -> None:
     rendered = render("tenant:{x}:{x}:{x}", {"x": value}, ())
-    assert len(rendered) <= MAX_KEY
+    assert len(logical_key(rendered)) <= MAX_KEY
+    assert len(rendered) <= MAX_KEY + MAX_TAG + 2  # the marked hash tag, bounded too
     assert all(0x21 <= ord(c) <= 0x7E for c in rendered)
-    assert "{" not in rendered and "}" not in rendered
+    # the one brace pair is the tag's, at the start: no value can open another
+    assert rendered.startswith("{tenant:") and rendered.count("{") == rendered.count("}") == 1
 
 
 def test_escaping_examples() -> None:

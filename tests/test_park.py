@@ -24,7 +24,7 @@ from celery import Celery
 from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, _park, install
 from celery_ratelimit._embedded import RedisServer
 from celery_ratelimit._park import move_once, park, park_calls, park_keys
-from celery_ratelimit._settings import limiter_for, park_after
+from celery_ratelimit._settings import limiter_for, park_after, park_undecided
 
 BROKER_DB = 5
 
@@ -137,6 +137,29 @@ def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses
     assert waiting(app) == 0
 
 
+def test_a_claim_whose_reply_was_lost_is_taken_back_by_its_mover_at_its_next_look(
+    app: Celery,
+) -> None:
+    """A claim that timed out may still have run once Redis went on (a paused server):
+    its mover takes its copies back at the next claim, not after the lease."""
+    mover = _park.Claims()
+    move_once(app, mover)
+    assert park(app.tasks[app.conf.fetch_name], deferred_copy(app, "t-lost"), 1.6)
+    time.sleep(0.7)  # due within the lead
+    limiter = limiter_for(app)
+    keys = park_keys(app, limiter)
+    # the claim ran, and its reply never reached the mover
+    arguments = ["claim", int(_park.LEAD * 1e6), int(_park.LEASE * 1e6), 10, mover.mover, "0"]
+    assert len(limiter.run_script("park", keys, arguments)) == 4
+    assert waiting(app) == 1 and queued(app) == []
+    move_once(app)  # another mover: the copy is claimed, not its to take
+    assert queued(app) == []
+    mover.lost = True  # what the timeout left it knowing
+    move_once(app, mover)
+    assert [m["headers"]["id"] for m in queued(app)] == ["t-lost"]
+    assert waiting(app) == 0 and not limiter.client.hlen(keys[3])
+
+
 def test_a_mover_whose_broker_is_down_keeps_every_copy_and_logs_once(
     redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,6 +237,17 @@ def test_parks_of_two_brokers_are_apart(app: Celery, redis_url: str) -> None:
         ("redis://h:6379/1", "redis://h/3", 2.0),
         ("redis://127.0.0.1:6379/1", "redis://127.0.0.1:6380/0", None),  # another server
         ("amqp://guest:guest@127.0.0.1:5672//", "redis://127.0.0.1:6379/0", None),
+        # the README's Cluster and Sentinel forms: compared node by node
+        ("redis://b:7001/1", "redis+cluster://a:7000,b:7001,c:7002", 2.0),
+        ("redis://d:7003/1", "redis+cluster://a:7000,b:7001,c:7002", None),
+        (
+            "sentinel://s:26379;sentinel://t:26379",
+            "redis+sentinel://t:26379,u:26379/mymaster/0",
+            2.0,
+        ),
+        ("sentinel://s:26379", "redis+sentinel://s:26379,t:26379/other/0", None),
+        ("sentinel://s:26379", "redis+sentinel://u:26379/mymaster/0", None),
+        ("redis://s:6379/1", "redis+sentinel://s:26379,t:26379/mymaster/0", None),
     ],
 )
 def test_auto_parks_only_where_the_broker_keeps_its_own_messages(
@@ -222,11 +256,31 @@ def test_auto_parks_only_where_the_broker_keeps_its_own_messages(
     """Under "auto" a copy is parked only in the broker's own Redis server, so that a
     parked copy is as durable as a published one; elsewhere parking is asked for."""
     app = Celery("auto", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = {"master_name": "mymaster"}
     if limiter:
         app.conf.ratelimit_redis_url = limiter
     assert park_after(app) == expected
     app.conf.ratelimit_park_after = 5
     assert park_after(app) == 5.0
+
+
+@pytest.mark.parametrize(
+    ("broker", "limiter", "options"),
+    [
+        ("redis://d:7003/1", "redis+cluster://a:7000,b:7001", {}),
+        ("sentinel://s:26379", "redis+sentinel://s:26379/mymaster/0", {}),  # no master_name
+        ("redis://s:6379/1", "redis+sentinel://s:26379,t:26379/mymaster/0", {}),
+    ],
+)
+def test_auto_that_cannot_tell_leaves_parking_off_and_says_how_to_turn_it_on(
+    broker: str, limiter: str, options: dict[str, str]
+) -> None:
+    app = Celery("undecided", broker=broker, set_as_current=False)
+    app.conf.update(ratelimit_redis_url=limiter, broker_transport_options=options)
+    assert park_after(app) is None
+    assert "set ratelimit_park_after = 2 if it is" in (park_undecided(app) or "")
+    app.conf.ratelimit_park_after = None
+    assert park_undecided(app) is None
 
 
 @pytest.mark.parametrize("value", [1.0, 0, -3, "2", True, float("inf")])

@@ -73,6 +73,10 @@ CASES = {
         lambda s: _url(s),
         r"holds a value of another type.*ratelimit_key_prefix",
     ),
+    "a Cluster URL naming a server not in cluster mode": (
+        lambda s: f"redis+cluster://127.0.0.1:{s.port}",
+        r"not in cluster mode.*use redis://host:port/db for a single server",
+    ),
     "not a Redis server (RabbitMQ's port)": (
         lambda s: "redis://127.0.0.1:5672/0",
         r"does not point at a Redis server",
@@ -137,14 +141,22 @@ def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
         fleet.stop()
 
 
+@pytest.mark.parametrize("form", ["redis", "redis+cluster", "redis+sentinel"])
 def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
-    server: RedisServer, tmp_path: Path
+    server: RedisServer, tmp_path: Path, form: str
 ) -> None:
     port = free_port()
+    closed = {
+        "redis": f"redis://:hunter2@127.0.0.1:{port}/0",
+        # the README's forms, every node closed: a Cluster client asks for the slot map
+        # at its first command, a Sentinel client for the primary
+        "redis+cluster": f"redis+cluster://127.0.0.1:{port},127.0.0.1:{free_port()}",
+        "redis+sentinel": f"redis+sentinel://127.0.0.1:{port},127.0.0.1:{free_port()}/m/0",
+    }
     fleet = Fleet(
         tmp_path,
         broker_url=f"redis://127.0.0.1:{server.port}/1",
-        limiter_url=f"redis://:hunter2@127.0.0.1:{port}/0",
+        limiter_url=closed[form],
         runs_url=f"redis://127.0.0.1:{server.port}/3",
         prefix=unique_prefix("closed-port"),
         settings={"error_countdown": "0.3"},
@@ -152,16 +164,18 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
     try:
         fleet.add(1)
         ids = [fleet.send("limited", i) for i in range(4)]
-        # a URL that never answered is most likely wrong: the node says so at ERROR,
-        # naming the setting and the URL (not its password), before the tasks' warnings
-        deadline = time.monotonic() + FAILS_WITHIN
-        while not fleet.grep("nothing answered") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        errors = fleet.grep("nothing answered")
-        assert len(errors) == 1, errors
-        assert "ERROR" in errors[0] and "ratelimit_redis_url" in errors[0]
-        assert f"'redis://:***@127.0.0.1:{port}/0'" in errors[0]
-        assert "Connection refused" in errors[0]
+        if form == "redis":
+            # a URL that never answered is most likely wrong: the node says so at
+            # ERROR, naming the setting and the URL (not its password), before the
+            # tasks' warnings
+            deadline = time.monotonic() + FAILS_WITHIN
+            while not fleet.grep("nothing answered") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            errors = fleet.grep("nothing answered")
+            assert len(errors) == 1, errors
+            assert "ERROR" in errors[0] and "ratelimit_redis_url" in errors[0]
+            assert f"'redis://:***@127.0.0.1:{port}/0'" in errors[0]
+            assert "Connection refused" in errors[0]
         # each task is deferred again and again (how often in a given time depends on
         # the machine's load: wait until every one was deferred twice)...
         deadline = time.monotonic() + 30
@@ -173,7 +187,8 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
         assert all(sum(i in line for line in deferred) >= 2 for i in ids)
         warnings = [line for line in fleet.grep("Redis unavailable") if "deferring" in line]
         assert 1 <= len(warnings) <= 2  # ...and that was said once per pool process
-        assert all("WARNING" in line and "Connection refused" in line for line in warnings)
+        said = "No master found" if form == "redis+sentinel" else "Connection refused"
+        assert all("WARNING" in line and said in line for line in warnings), warnings
         assert not fleet.grep("raised unexpected")  # transient: nothing failed
         assert "hunter2" not in fleet.logs(tail=10**6)
     except BaseException:

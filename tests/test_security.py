@@ -31,7 +31,7 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
-from celery_ratelimit._keys import MAX_KEY, escape_key, render
+from celery_ratelimit._keys import MAX_KEY, escape_key, escape_part, logical_key, render
 from celery_ratelimit._layout import redis_key
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
@@ -67,7 +67,10 @@ def test_two_field_keys_of_distinct_tenants_never_collide_or_move_the_tag(
     assert (ka == kb) == (same(a[0], b[0]) and same(a[1], b[1]))
     full = redis_key("ratelimit", ka, LOG)
     assert full.count("{") == full.count("}") == 1
-    assert ka.count(":") == 2
+    assert logical_key(ka).count(":") == 2
+    # the tag: the tenant (the first segment), then the region; nothing else
+    tag = full.split("{", 1)[1].split("}", 1)[0]
+    assert tag == f"{escape_part(a[0])}:{escape_part(a[1])}"
 
 
 @pytest.mark.parametrize("template", ["{a}{b}", "t:{a}-{b}", "{a}_{b}", "{a} {b}", "{a}%{b}"])
@@ -197,12 +200,15 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     # the park: a deferred copy parked, claimed by a mover, dropped once published
     park = limiter.client.register_script(source("park"))
     base = f"{limiter.prefix}:{{park:acl{n}}}"
-    parked = [f"{base}:due", f"{base}:copies", f"{base}:counts"]
+    parked = [f"{base}:due", f"{base}:copies", f"{base}:counts", f"{base}:claims"]
+    claim = ["claim", 1_000_000, 30_000_000, 10, "mover"]
     try:
-        park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])  # a mover is seen
+        park(keys=parked, args=[*claim, "0"])  # a mover is seen
         assert park(keys=parked, args=["park", "copy", 0, b"payload", 5_000_000]) > 0
-        claimed = park(keys=parked, args=["claim", 1_000_000, 30_000_000, 10])
+        claimed = park(keys=parked, args=[*claim, "0"])
         assert claimed[2:] == [b"copy", claimed[3]] and claimed[3].endswith(b"|payload")
+        # its reply lost: the mover takes back what its claims hold
+        assert park(keys=parked, args=[*claim, "1"])[2:] == claimed[2:]
         assert park(keys=parked, args=["drop", "copy"]) == 1
     except redis.RedisError as exc:  # as _park raises it
         raise limiter.translate(exc, "parking") from exc

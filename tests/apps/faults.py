@@ -8,6 +8,7 @@ Configured from the environment by the test that starts the nodes:
 - ``CRL_PREFIX``, ``CRL_RATE``; ``CRL_POLICY`` (``ratelimit_on_redis_error``),
   ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``,
   ``CRL_MAX_DEFERRALS``;
+- ``CRL_MASTER_NAME``: the Sentinel service of a ``sentinel://`` broker;
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
   ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ).
 
@@ -51,6 +52,9 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     task_default_queue=os.environ.get("CRL_QUEUE", "celery"),
 )
+if os.environ.get("CRL_MASTER_NAME"):
+    # a broker on a Sentinel group (sentinel://h:p;sentinel://h:p): kombu's service name
+    app.conf.broker_transport_options = {"master_name": os.environ["CRL_MASTER_NAME"]}
 if os.environ.get("CRL_VISIBILITY"):
     # a low visibility timeout, swept every second, redelivers a killed node's messages
     # soon; the sweep's lock expires soon too (a node killed holding it would otherwise
@@ -87,6 +91,13 @@ def record(task: Any, **extra: Any) -> None:
             }
         ),
     )
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="api:{tenant}"), bind=True)
+def per_tenant(self: Any, tenant: str, i: int) -> int:
+    """The README's per-tenant key: one budget, and one Cluster slot, per tenant."""
+    record(self, i=i, tenant=tenant)
+    return i
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True)
