@@ -175,7 +175,11 @@ def run_set(
         with url_named(app, url):
             # a key a template rendered carries its values in its hash tag (``_keys``):
             # its calls read the override there; found by the key's data, else as written
-            escaped = tagged_keys(keys_of(limiter.client, limiter.prefix, key)) or [escape_key(key)]
+            try:
+                found = keys_of(limiter.client, limiter.prefix, key)
+            except REDIS_ERRORS as exc:
+                raise limiter.translate(exc, "a key lookup") from exc
+            escaped = tagged_keys(found) or [escape_key(key)]
             # read just before it goes, to say whether there was one
             before = override_of(limiter, escaped) if rate is None else None
             limiter.override_keys(escaped, rate, ttl=ttl)
