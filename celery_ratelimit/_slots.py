@@ -21,13 +21,16 @@ from typing import Any
 from celery import signals
 
 from ._base import RELEASE
+from ._beside import attach
 from ._limiter import Limiter
 from ._scripts import shape
 
 logger = logging.getLogger("celery_ratelimit")
 
-#: Request attribute holding the running body's slot (not a ``ratelimit_`` header).
+#: Request attribute holding the running body's slot (not a ``ratelimit_`` header),
+#: kept beside the request like the Decision (see ``_beside``).
 SLOT_ATTR = "_ratelimit_slot"
+attach(SLOT_ATTR)
 
 
 @dataclass
