@@ -10,6 +10,10 @@ prefork and on the green pools) with
 newest versions with the README's command (``.ci/run``).
 
 ``nox -s "compat(oldest)"`` runs one cell; ``nox -l`` lists them.
+
+``nox -s canvas`` runs Celery's own canvas integration suite with every task
+rate-limited (``tests/celery_canvas.py``); ``nox -s canvas -- --subset`` is the part CI
+runs, ``-- --plain`` the suite without limits.
 """
 
 from __future__ import annotations
@@ -118,3 +122,11 @@ def compat(session: nox.Session, cell: str) -> None:
         *SMOKE,
         env={"PATH": path},
     )
+
+
+@nox.session(name="canvas")
+def canvas(session: nox.Session) -> None:
+    # pip fetches Celery's source distribution; pydantic and pytest-rerunfailures are
+    # what its integration suite imports and marks its tests with
+    session.install("-e", f"{ROOT}[test]", "pip", "pydantic", "pytest-rerunfailures")
+    session.run("python", "-m", "tests.celery_canvas", *session.posargs)
