@@ -63,6 +63,7 @@ SMOKE = (
     "tests/test_concurrency_nodes.py::test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it",
     "tests/test_celery_nodes.py::test_public_fallbacks_of_celery_internals_share_the_limit_the_same",
     "tests/test_celery_nodes.py::test_deferrals_never_use_up_max_retries_and_self_retry_still_works",
+    "tests/test_request_copies.py::test_a_copy_of_a_request_reads_the_same_decision_and_carries_only_a_string",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[gevent-50-idle]",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[eventlet-50-idle]",
 )
