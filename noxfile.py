@@ -12,6 +12,10 @@ by ``CRL_REDIS_SERVER`` (what the tests start, see celery_ratelimit/_embedded.py
 full suite runs on the newest versions with the README's command (``.ci/run``).
 
 ``nox -s "compat(oldest)"`` runs one cell; ``nox -l`` lists them.
+
+``nox -s canvas`` runs Celery's own canvas integration suite with every task
+rate-limited (``tests/celery_canvas.py``); ``nox -s canvas -- --subset`` is the part CI
+runs, ``-- --plain`` the suite without limits.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ SMOKE = (
     "tests/test_concurrency_nodes.py::test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it",
     "tests/test_celery_nodes.py::test_public_fallbacks_of_celery_internals_share_the_limit_the_same",
     "tests/test_celery_nodes.py::test_deferrals_never_use_up_max_retries_and_self_retry_still_works",
+    "tests/test_request_copies.py::test_a_copy_of_a_request_reads_the_same_decision_and_carries_only_a_string",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[gevent-50-idle]",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[eventlet-50-idle]",
 )
@@ -151,3 +156,11 @@ def compat(session: nox.Session, cell: str) -> None:
         *SMOKE,
         env=_server_env(session, server),
     )
+
+
+@nox.session(name="canvas")
+def canvas(session: nox.Session) -> None:
+    # pip fetches Celery's source distribution; pydantic and pytest-rerunfailures are
+    # what its integration suite imports and marks its tests with
+    session.install("-e", f"{ROOT}[test]", "pip", "pydantic", "pytest-rerunfailures")
+    session.run("python", "-m", "tests.celery_canvas", *session.posargs)

@@ -22,6 +22,7 @@ from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
 from ._base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
+from ._beside import attach
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
@@ -47,8 +48,10 @@ DENIALS_HEADER = "ratelimit_denials"
 TOKEN_HEADER = "ratelimit_token"
 #: ``request.retries`` of the execution that was deferred (see ``_token_header``).
 RETRIES_HEADER = "ratelimit_retries"
-#: Request attribute holding the Decision that let the task run.
+#: Request attribute holding the Decision that let the task run: kept beside the
+#: request, not in it, since a copy of the request's attributes may become a message.
 DECISION_ATTR = "ratelimit_decision"
+attach(DECISION_ATTR)
 #: A start at most this far ahead (an early arrival, a reservation this close, a
 #: late task waiting for the window) is waited for in-process instead of being
 #: published again; the limiter counts it for that instant, so no second call follows.

@@ -20,12 +20,15 @@ from typing import Any
 
 from celery import signals
 
+from ._beside import attach
 from ._limiter import Limiter
 
 logger = logging.getLogger("celery_ratelimit")
 
-#: Request attribute holding the running body's slot (not a ``ratelimit_`` header).
+#: Request attribute holding the running body's slot (not a ``ratelimit_`` header),
+#: kept beside the request like the Decision (see ``_beside``).
 SLOT_ATTR = "_ratelimit_slot"
+attach(SLOT_ATTR)
 
 
 @dataclass
