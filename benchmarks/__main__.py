@@ -88,11 +88,18 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         "bound: EVALSHA of 'return 1'",
         "floor3: TIME+ZMSCORE+ZADD",
         "floor: TIME+ZMSCORE+ZREMRANGEBYSCORE+ZADD",
+        "seed: TIME+ZREMRANGEBYSCORE+ZADD+PEXPIRE",
+        "contract: seed + settings + running total",
     ):
         if floor in b:
             add(f"2. server us, {floor}", b[floor]["usec_per_call"], "bound", None)
     if "cost 1 / floor" in b:
         add("2. server us, cost 1 / the 4-command floor", b["cost 1 / floor"], "", None)
+    if "cost 1 / seed" in b:
+        ratio = b["cost 1 / seed"]
+        add("2. server us, cost 1 / the seed algorithm's script", ratio, "<= 1.2", ratio <= 1.2)
+    if "cost 1 / contract" in b:
+        add("2. server us, cost 1 / the contract's bare script", b["cost 1 / contract"], "", None)
     for name in ("cost 100", "cost 1, 2 limits", "cost 1, 4 limits", "cost 1, rate overridden"):
         if name in b:
             add(f"2. server us/decision, {name}", b[name]["usec_per_call"], "", None)
