@@ -25,6 +25,7 @@ from ._base import ACQUIRE, CONFIRM, RELEASE, RESERVE, RESTAMP
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
+from ._green import give_way
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
 from ._metrics import metrics_for, send_deferral_event
@@ -250,6 +251,8 @@ class Check:
                     f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
                 )
             denials += 1
+        # the bodies running beside it first (green pools); its slot stays where it was
+        countdown = max(countdown - give_way(countdown), 0.0)
         if token and _expires_before(task, request, countdown):
             # Celery will end the copy as expired when it arrives; its slot would be wasted.
             self.give_back(token)
