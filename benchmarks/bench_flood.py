@@ -43,13 +43,14 @@ def one_run(
     rate = Rate.parse(RATE)
     bench = Bench(
         "redis",
-        Rate.parse(declared),
+        rate,
         TASKS,
         0,
         pool=pool,
         concurrency=concurrency,
         settings=settings,
     )
+    bench.nodes.env["CRL_BENCH_FLOOD_RATE"] = declared
     try:
         bench.nodes.start(bench.tasks.app)
         with busy_core(busy):

@@ -21,8 +21,7 @@ from typing import Any
 #: its countdown: a hub that never idles (every greenlet busy) delays the deferral's
 #: publish by this much at most.
 MAX_GIVE_WAY = 1.0
-#: A hub turn shorter than this (seconds) ran nothing else: the hub is idle (eventlet,
-#: which has no idle watcher).
+#: A hub turn shorter than this (seconds) ran nothing else: the hub is idle.
 QUIET_TURN = 0.0005
 
 _turn: Any = None  # the green lock denied tasks take turns with, made on first use
@@ -50,28 +49,23 @@ def give_way(countdown: float) -> float:
         return 0.0
     begun = time.monotonic()
     if pool == "gevent":
-        import gevent
-        import gevent.lock
-
-        if _turn is None:
-            _turn = gevent.lock.Semaphore()
-        with gevent.Timeout(most, False), _turn:
-            gevent.idle()
+        from gevent import sleep
+        from gevent.lock import Semaphore
     else:
-        import eventlet
-        import eventlet.semaphore
-
-        if _turn is None:
-            _turn = eventlet.semaphore.Semaphore()
-        if _turn.acquire(timeout=most):
-            try:
-                # a sleep(0) resumes after the hub's next poll: every greenlet whose
-                # socket is ready has run by then; idle once a turn ran nothing else
-                while time.monotonic() - begun < most:
-                    turn = time.monotonic()
-                    eventlet.sleep(0)
-                    if time.monotonic() - turn < QUIET_TURN:
-                        break
-            finally:
-                _turn.release()
+        from eventlet import sleep
+        from eventlet.semaphore import Semaphore
+    if _turn is None:
+        _turn = Semaphore()
+    if not _turn.acquire(timeout=most):
+        return time.monotonic() - begun
+    try:
+        # a sleep(0) resumes after the hub's next poll: every greenlet whose socket
+        # is ready has run by then; the hub is idle once a turn ran nothing else
+        while time.monotonic() - begun < most:
+            turn = time.monotonic()
+            sleep(0)
+            if time.monotonic() - turn < QUIET_TURN:
+                break
+    finally:
+        _turn.release()
     return time.monotonic() - begun
