@@ -2,7 +2,8 @@
 
 Starts its own redis-servers (and uses the machine's RabbitMQ on 127.0.0.1:5672 when
 there is one), runs the limiter micro-benchmarks, the three-node Celery scenarios and
-the starts on every pool (``bench_pools``), backlogs of 10-100x the limit
+the starts on every pool (``bench_pools``) and of a cold flood on the green pools
+(``bench_flood``), backlogs of 10-100x the limit
 (``bench_scale``) and each script path's Redis time against the limit's size
 (``bench_script_scale``, both drawn as ``benchmarks/results/scale.png``), concurrency
 limits and a 429 pause across nodes (``bench_concurrency``),
@@ -25,6 +26,7 @@ from benchmarks import (
     bench_celery,
     bench_cluster,
     bench_concurrency,
+    bench_flood,
     bench_limiter,
     bench_pools,
     bench_scale,
@@ -207,6 +209,20 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "anchor" if anchor else "1.00",
             None if anchor else r["worst_starts_over_limit"] <= 1.0,
         )
+    for r in results.get("flood", []):
+        what = f"{r['pool']}{', busy core' if r['busy_core'] else ''} (worst of {r['runs']} runs)"
+        add(
+            f"9b. cold flood, most starts in a window / limit by first line, {what}",
+            r["worst_lines_over_limit"],
+            "1.00",
+            r["worst_lines_over_limit"] <= 1.0,
+        )
+        add(
+            f"9b. cold flood, most first I/Os in a window / limit, {what}",
+            r["worst_ios_over_limit"],
+            "<= 1.1",
+            r["worst_ios_over_limit"] <= 1.1,
+        )
     for r in results.get("scale", []):
         parked = r.get("parked", False)
         for d in r["drains"]:
@@ -296,12 +312,12 @@ def main() -> None:
     parser.add_argument(
         "--skip",
         default="",
-        help="sections to leave out, comma-separated: pools, scale, script-scale, "
+        help="sections to leave out, comma-separated: pools, flood, scale, script-scale, "
         "concurrency, cluster",
     )
     args = parser.parse_args()
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    unknown = skip - {"pools", "scale", "script-scale", "concurrency", "cluster"}
+    unknown = skip - {"pools", "flood", "scale", "script-scale", "concurrency", "cluster"}
     if unknown:
         parser.error(f"unknown sections to skip: {', '.join(sorted(unknown))}")
     started = time.monotonic()
@@ -343,6 +359,8 @@ def main() -> None:
         )
     if "pools" not in skip:
         results["pools"] = timed("pools", bench_pools.run, 3 if args.quick else 20)
+    if "flood" not in skip:
+        results["flood"] = timed("flood", bench_flood.run, 3 if args.quick else 20)
     if "scale" not in skip:
         results["scale"] = timed("scale", bench_scale.run_all)
     if "script-scale" not in skip:

@@ -2,13 +2,16 @@
 
 Configured from the environment by benchmarks/bench_celery.py: CRL_BENCH_BROKER,
 CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours only),
-CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds). Each task appends
+CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds), CRL_BENCH_SETTINGS
+(more ``app.conf`` settings, a JSON object), CRL_BENCH_FLOOD_RATE (the limit of
+``flood``, default CRL_BENCH_RATE). Each task appends
 ``"<started_us> <granted_us> <deferrals>"`` to ``bench:runs:<task>`` on the limiter's
 Redis.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -35,6 +38,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
+app.conf.update(json.loads(os.environ.get("CRL_BENCH_SETTINGS") or "{}"))
 _client: redis.Redis | None = None
 #: the bounds' round trips go the way the limiter's do: on a connection held for them
 _held: HeldConnection | None = None
@@ -182,3 +186,35 @@ def plain_body(self: Any) -> None:
     end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
     assert _client is not None
     _client.rpush("bench:spans", f"{start} {end}")
+
+
+#: Row 9b: the first Redis command of a body, stamped by the server as it runs it.
+STAMP_SCRIPT = (
+    "local t = redis.call('TIME') "
+    "local io = t[1] .. string.format('%06d', t[2]) "
+    "redis.call('RPUSH', KEYS[1], ARGV[1] .. ' ' .. io .. ' ' .. ARGV[2]) "
+    "return 1"
+)
+
+
+#: Row 9b's task may be declared with a margin (``10/1.1s``), which Celery's own
+#: ``rate_limit`` of the anchor task could not parse.
+FLOOD_RATE = os.environ.get("CRL_BENCH_FLOOD_RATE") or RATE
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(FLOOD_RATE, key="flood"), bind=True)
+def flood(self: Any) -> None:
+    """A body whose first line and first I/O are both stamped: ``bench:runs:flood``
+    gets ``"<first line> <first I/O> <granted> <deferrals>"``. The line is this
+    process's clock moved to Redis time (one machine: Redis's clock); the I/O is
+    Redis ``TIME`` inside the script that is the body's first command, i.e. when the
+    server ran it, as an upstream would see the body's first request. On a cold
+    process that command opens a connection first, as a body's first request would."""
+    line = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(REDIS)
+    decision = getattr(self.request, "ratelimit_decision", None)
+    granted = int(decision.at * 1_000_000) if decision is not None else line
+    deferrals = getattr(self.request, "ratelimit_deferrals", 0) or 0
+    _client.eval(STAMP_SCRIPT, 1, "bench:runs:flood", line, f"{granted} {deferrals}")

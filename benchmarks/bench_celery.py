@@ -75,6 +75,7 @@ class Bench:
         pool: str = "prefork",
         concurrency: int = 2,
         park_after: str = "auto",
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.rate = rate
         self.backlog = backlog
@@ -101,6 +102,7 @@ class Bench:
                 "CRL_BENCH_REDIS": self.limiter_redis.url,
                 "CRL_BENCH_RATE": str(rate),
                 "CRL_BENCH_PARK_AFTER": park_after,
+                "CRL_BENCH_SETTINGS": json.dumps(settings or {}),
             },
             pool=pool,
             concurrency=concurrency,

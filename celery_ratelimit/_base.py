@@ -5,6 +5,7 @@ Decision its reply means. :class:`Limiter` (redis-py) and :class:`AsyncLimiter`
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -72,6 +73,8 @@ class LimiterBase:
         self._cluster = hasattr(client, "get_nodes")
         self._scripts = {name: client.register_script(source(name)) for name in NAMES}
         self._checked = False  # Redis checked (version, scripts loaded): see check()
+        # one check at a time: fifty greenlets of a cold node would each load the scripts
+        self._check_lock = threading.Lock()
         # the script's keys for (key, shape), worked out and checked once: escaping and
         # formatting are most of a decision's Python, and a process decides for few
         # distinct keys and shapes

@@ -26,6 +26,7 @@ from ._beside import attach
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
+from ._green import give_way
 from ._keys import logical_key
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
@@ -258,6 +259,8 @@ class Check:
                     f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
                 )
             denials += 1
+        # the bodies running beside it first (green pools); its slot stays where it was
+        countdown = max(countdown - give_way(countdown), 0.0)
         if token and _expires_before(task, request, countdown):
             # Celery will end the copy as expired when it arrives; its slot would be wasted.
             self.give_back(token)

@@ -373,7 +373,9 @@ class Limiter(LimiterBase):
         """
         script = self._scripts[call.script]
         if not self._checked:
-            self.check()
+            with self._check_lock:
+                if not self._checked:  # not checked by the call it waited for
+                    self.check()
         keys, args = call.keys, call.args
         try:
             try:

@@ -1,0 +1,71 @@
+"""Deferrals give way to running bodies on the green pools (gevent, eventlet).
+
+On a green pool one hub runs every task of the process in turn. In a flood (a cold
+node taking fifty tasks at once, most of them denied) the denied tasks' deferral work
+(building the copy, publishing it, Celery's handling of the ``Retry``) would run
+between a granted body's first line and its first request: each time the body waits
+for a socket, the hub runs a turn of every denied task first, and the upstream sees
+the request that much later than the limiter counted the start. A denied task has a
+wait ahead of it anyway, so before publishing it waits until the hub has nothing else
+to do, one denied task at a time (all at once, they would run together the moment the
+hub idles): the bodies' I/O goes first.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+#: Longest a deferral waits for its turn at an idle hub (seconds), and at most half
+#: its countdown: a hub that never idles (every greenlet busy) delays the deferral's
+#: publish by this much at most.
+MAX_GIVE_WAY = 1.0
+#: A hub turn shorter than this (seconds) ran nothing else: the hub is idle.
+QUIET_TURN = 0.0005
+
+_turn: Any = None  # the green lock denied tasks take turns with, made on first use
+
+
+def _pool() -> str:
+    """``"gevent"``, ``"eventlet"`` (this process's sockets are theirs), or ``""``."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("socket"):
+        return "gevent"
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("socket"):
+        return "eventlet"
+    return ""
+
+
+def give_way(countdown: float) -> float:
+    """Wait until the green hub of this process has nothing else to run, taking turns
+    with the other callers (at most half ``countdown``, at most ``MAX_GIVE_WAY``);
+    returns the seconds waited (0.0 at once off the green pools)."""
+    global _turn
+    pool = _pool()
+    most = min(countdown / 2, MAX_GIVE_WAY)
+    if not pool or most <= 0:
+        return 0.0
+    begun = time.monotonic()
+    if pool == "gevent":
+        from gevent import sleep
+        from gevent.lock import Semaphore
+    else:
+        from eventlet import sleep
+        from eventlet.semaphore import Semaphore
+    if _turn is None:
+        _turn = Semaphore()
+    if not _turn.acquire(timeout=most):
+        return time.monotonic() - begun
+    try:
+        # a sleep(0) resumes after the hub's next poll: every greenlet whose socket
+        # is ready has run by then; the hub is idle once a turn ran nothing else
+        while time.monotonic() - begun < most:
+            turn = time.monotonic()
+            sleep(0)
+            if time.monotonic() - turn < QUIET_TURN:
+                break
+    finally:
+        _turn.release()
+    return time.monotonic() - begun
