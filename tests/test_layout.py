@@ -14,6 +14,7 @@ from celery_ratelimit._layout import (
     META_MEMBERS,
     PAUSE_FIELD,
     RATE_FIELD,
+    SEEN_FIELD,
     TOKEN_LEN,
     WINDOW_META,
     log_entries,
@@ -53,8 +54,9 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     status = key_status(limiter.client, name, now)
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
-    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}')"
+    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', seen_field(spec))"
     assert settings in source("acquire")
+    assert f"return '{SEEN_FIELD}' .. string.match" in source("acquire")
 
 
 @pytest.mark.parametrize("key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd"])

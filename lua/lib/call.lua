@@ -72,6 +72,12 @@ local function read_call(keys, argv, pending)
   return c
 end
 
+-- The field of a limit's settings hash that holds what the upstream said of it (see
+-- lua/observe.lua): "seen:" .. the algorithm and window its key ends with.
+local function seen_field(spec)
+  return 'seen:' .. string.match(spec.key, '([^:]+:%d+)$')
+end
+
 -- Read the settings hashes of the call's keys: returns the earliest instant the call
 -- may start at as far as a pause of any of them says (now if none) and the index of a
 -- pause in replies (0: none); and puts each rate override in force into the limit it
@@ -79,13 +85,23 @@ end
 -- limit of its key in the call. An aligned limit takes only an override of its own
 -- window (its windows are the calendar's). A cost above the new limit counts as the
 -- whole limit: the call runs alone in its window rather than never.
-local function read_settings(c)
+-- What an upstream said of a limit (its "seen:" field, "r t l lu") applies too: a limit
+-- of l units observed lowers the limit to l until lu; and with `observed`, r units left
+-- until t hold the call back until t when its cost does not fit them (that limit's
+-- index in replies), the limit being put in c.seen for seen_take.
+local function read_settings(c, observed)
   local gate, by, n = c.now, 0, #c.logs
+  c.seen = {}
   for i, key in ipairs(c.settings) do
-    local s = redis.call('HMGET', key, 'pause', 'rate')
+    local spec = i <= n and c.logs[i] or c.cals[i - n]
+    local s
+    if spec then
+      s = redis.call('HMGET', key, 'pause', 'rate', seen_field(spec))
+    else
+      s = redis.call('HMGET', key, 'pause', 'rate')
+    end
     local until_us = tonumber(s[1] or 0)
     if until_us > gate then gate, by = until_us, c.paused_by end
-    local spec = i <= n and c.logs[i] or c.cals[i - n]
     if s[2] and spec then
       local l, w, u = string.match(s[2], '^(%d+) (%d+) (%d+)$')
       if l and (tonumber(u) == 0 or tonumber(u) > c.now) then
@@ -99,6 +115,31 @@ local function read_settings(c)
         end
       end
     end
+    if s[3] then
+      local r, t, l, lu = string.match(s[3], '^(%d+) (%d+) (%d+) (%d+)$')
+      if r then
+        r, t, l, lu = tonumber(r), tonumber(t), tonumber(l), tonumber(lu)
+        if l > 0 and lu > c.now and l < spec.limit then spec.limit = math.max(l, spec.cost) end
+        if observed and t > c.now then
+          spec.seen = {key = key, r = r, t = t, l = l, lu = lu}
+          c.seen[#c.seen + 1] = spec
+          if r < spec.cost and t > gate then gate, by = t, i end
+        end
+      end
+    end
   end
   return gate, by
+end
+
+-- Take the call's cost from what the upstream said is left of each limit in c.seen
+-- (read_settings), when the instant `at` the call counts at comes before its reset.
+local function seen_take(c, at)
+  for _, spec in ipairs(c.seen) do
+    local b = spec.seen
+    if at < b.t then
+      b.r = math.max(b.r - spec.cost, 0)
+      redis.call('HSET', b.key, seen_field(spec),
+        string.format('%.0f %.0f %.0f %.0f', b.r, b.t, b.l, b.lu))
+    end
+  end
 end
