@@ -1,0 +1,58 @@
+"""Limits that follow the upstream, on real worker nodes: three nodes run tasks declared
+at twice what a real HTTP upstream (tests/upstream.py, its own sliding limit) allows;
+each body observes the upstream's headers (IETF ``RateLimit``, ``X-RateLimit-*`` with an
+epoch reset, LLM-style ``x-ratelimit-*-requests``). Once the first answer was observed,
+no window of the upstream's holds more requests than its limit, and every task gets its
+one accepted call: nothing lost, nothing run twice."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from tests.nodes import Nodes
+from tests.upstream import FAMILIES, Upstream, most_in_window
+
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
+LIMIT, WINDOW = 10, 1.0
+DECLARED = f"{2 * LIMIT}/s"
+PER_FAMILY = 30
+
+
+def test_no_window_above_the_upstreams_limit_once_observed(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    with Upstream(LIMIT, WINDOW) as upstream:
+        nodes = start_nodes(rate=DECLARED)
+        sent = {
+            nodes.send("calls_http", family, i, upstream.url(family)).id: family
+            for i in range(PER_FAMILY)
+            for family in FAMILIES
+        }
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            accepted = Counter(a.task for a in upstream.arrivals if a.status == 200)
+            if set(accepted) >= set(sent):
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)  # a second acceptance of a task would come now
+        arrivals = list(upstream.arrivals)
+    accepted = Counter(a.task for a in arrivals if a.status == 200)
+    lost = set(sent) - set(accepted)
+    assert not lost, f"{len(lost)} of {len(sent)} tasks never got an accepted call"
+    assert max(accepted.values()) == 1, "a task's call was accepted twice"
+    for family in FAMILIES:
+        mine = [a for a in arrivals if a.family == family]
+        observed = min(a.at for a in mine)  # its answer is observed right after
+        later = [a.at for a in mine if a.at > observed]
+        most = most_in_window(later, WINDOW)
+        rejected = sum(a.status == 429 for a in mine)
+        assert most <= LIMIT, (
+            f"{family}: {most} requests in one window of the upstream's {LIMIT}/s "
+            f"({rejected} answered 429)"
+        )
+    hosts = {run["hostname"] for run in nodes.runs()}
+    assert len(hosts) > 1, "one node ran every task: nothing was shared"
