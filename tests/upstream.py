@@ -47,7 +47,7 @@ class Upstream:
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 url = urlparse(self.path)
                 family = url.path.strip("/")
                 task = parse_qs(url.query).get("task", [""])[0]
