@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from celery_ratelimit import AsyncLimiter, Concurrency, Limit, Limiter
-from celery_ratelimit._layout import parse_seen, seen_field
+from celery_ratelimit._ops import Seen, format_settings, key_settings
 
 
 def budget(remaining: int, reset: float, limit: int | None = None) -> dict[str, str]:
@@ -19,11 +19,6 @@ def budget(remaining: int, reset: float, limit: int | None = None) -> dict[str, 
     if limit is not None:
         headers["X-RateLimit-Limit"] = str(limit)
     return headers
-
-
-def now_us(limiter: Limiter) -> int:
-    seconds, micros = limiter.client.time()
-    return int(seconds) * 1_000_000 + int(micros)
 
 
 @pytest.mark.parametrize("algorithm", ["log", "counter"])
@@ -35,11 +30,17 @@ def test_no_more_than_the_remaining_is_granted_before_the_reset(
     granted = [limiter.acquire("api", limit) for _ in range(5)]
     assert [d.allowed for d in granted] == [True] * 3 + [False] * 2
     assert granted[-1].limit == limit and 1.5 < granted[-1].retry_after <= 2.0
-    (key,) = limiter.keys_for("api", limit)
-    seen = parse_seen(
-        limiter.client.hget(f"{key.rsplit(':', 2)[0]}:settings", seen_field(key)), now_us(limiter)
-    )
-    assert seen is not None and seen[0] == 0
+
+
+def test_status_shows_what_the_upstream_said(limiter: Limiter) -> None:
+    limiter.observe("api", budget(3, 30, limit=4), "5/s")
+    limiter.acquire("api", "5/s")
+    (row,) = key_settings(limiter)
+    (seen,) = row.seen
+    assert seen == Seen("log", 10**6, 2, seen.reset_in, 4) and 29 < seen.reset_in <= 30
+    (line,) = format_settings([row])
+    assert line.startswith("upstream api (log 1s): 2 left, full again in 29.")
+    assert line.endswith("quota 4")
 
 
 def test_a_denied_call_reserves_its_slot_at_the_reset(limiter: Limiter) -> None:
