@@ -18,6 +18,10 @@ from ._rate import Rate
 from ._scripts import MAX_HORIZON, NAMES, Shape, shape, source
 from ._upstream import seconds_from
 
+#: An adapting limit (``Limit(adapt=True)``) gives back this share of its declared rate
+#: (1 / ADAPT_SHARE) per window without a 429.
+ADAPT_SHARE = 10
+
 #: Reply statuses (see ``lua/lib/call.lua``).
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT, SETTLED = range(8)
 
@@ -258,7 +262,9 @@ class LimiterBase:
         since: float | None,
     ) -> ScriptCall | None:
         """The call that writes what ``seen`` says for ``key``'s ``limits`` (None:
-        nothing to write). See :func:`budget_for` for which budget a limit takes."""
+        nothing to write): the budgets (see :func:`budget_for` for which a limit takes),
+        and, for a ``Retry-After``, the pause of every key and a cut of the effective
+        rate of the limits declared ``adapt=True``."""
         normalized = to_limits(limits)
         keys = self.keys_for(key, normalized)
         noted: list[str] = []
@@ -274,14 +280,22 @@ class LimiterBase:
             noted.append(redis_key_)
             numbers += (budget.remaining, int(budget.reset * 1_000_000), quota)
         pause = seen.retry_after or 0.0
+        cut: list[str] = []
+        if pause > 0:
+            for redis_key_, limit in zip(keys, normalized, strict=True):
+                if limit.adapt:
+                    rate = limit.fixed_rate
+                    cut.append(redis_key_)
+                    numbers += (rate.limit, rate.window_us, max(rate.limit // ADAPT_SHARE, 1))
         if not noted and pause <= 0:
             return None
         paused = sorted({settings_of(k) for k in keys}) if pause > 0 else []
         since_us = 0 if since is None else max(round(since * 1_000_000), 0)
+        every = [*(settings_of(k) for k in noted), *noted, *(settings_of(k) for k in cut), *cut]
         return ScriptCall(
             "observe",
-            [*(settings_of(k) for k in noted), *noted, *paused],
-            [len(noted), int(min(pause, MAX_HORIZON) * 1_000_000), since_us, *numbers],
+            every + paused,
+            [len(noted), len(cut), int(min(pause, MAX_HORIZON) * 1_000_000), since_us, *numbers],
         )
 
     def _prepared(self, key: str | Sequence[str], shape: Shape) -> list[str]:

@@ -74,6 +74,9 @@ RATE_FIELD = "rate"
 #: Prefix of a settings hash field: what an upstream said of one limit of the key,
 #: ``"seen:<algorithm>:<window_us>"`` -> ``"r t l lu"`` (``lua/observe.lua``).
 SEEN_FIELD = "seen:"
+#: Prefix of a settings hash field: the effective rate of an adapting limit of the key,
+#: ``"eff:<algorithm>:<window_us>"`` -> ``"e cut_us step"`` (``lua/lib/settings.lua``).
+EFF_FIELD = "eff:"
 ALGORITHMS = ("log", "counter", "conc", "cal")
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
@@ -135,6 +138,14 @@ def parse_seen(value: bytes | str | None, now: int) -> tuple[int, int, int] | No
     if until <= now:
         quota = 0
     return (remaining, reset, quota) if reset or quota else None
+
+
+def effective(value: bytes | str, window_us: int, now: int) -> int:
+    """The effective limit an :data:`EFF_FIELD` value gives at ``now`` (µs), before the
+    declared limit caps it."""
+    text = value.decode() if isinstance(value, bytes) else value
+    eff, cut, step = (int(part) for part in text.split())
+    return eff + (now - cut) // window_us * step
 
 
 def settings_key(prefix: str, key: str) -> str:

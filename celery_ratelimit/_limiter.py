@@ -12,7 +12,7 @@ from ._client import HeldConnection, client_from_url
 from ._decision import Decision
 from ._exceptions import LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
-from ._headers import parse
+from ._headers import Observation, parse
 from ._layout import companions, keys_of
 from ._limit import LimitSpec, to_limits
 from ._rate import Rate
@@ -319,7 +319,19 @@ class Limiter(LimiterBase):
             InvalidLimit: a bad key or limits.
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
         """
-        call = self._observe_call(key, parse(headers), limits, since)
+        return self.observed(key, parse(headers), limits, since=since)
+
+    def observed(
+        self,
+        key: str | Sequence[str],
+        seen: Observation,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """:meth:`observe` for headers already read (the Celery layer's
+        ``UpstreamRateLimited`` is an observation of a ``Retry-After``)."""
+        call = self._observe_call(key, seen, limits, since)
         if call is None:
             return False
         self._script_reply(call)

@@ -22,6 +22,7 @@ from typing import Any
 from ._keys import escape_key
 from ._layout import (
     COUNTER_FIELDS,
+    EFF_FIELD,
     ENTRY_FLOOR,
     PAUSE_FIELD,
     PENDING,
@@ -30,6 +31,7 @@ from ._layout import (
     STARTS,
     WINDOW_META,
     KeyName,
+    effective,
     log_entries,
     parse_key,
     parse_override,
@@ -211,6 +213,9 @@ class KeySettings:
     override_for: float | None = None
     #: what the upstream said of each limit of the key (``Limiter.observe``)
     seen: tuple[Seen, ...] = ()
+    #: (algorithm, window_us, effective limit) of each adapting limit cut since it was
+    #: last back to its declared rate (``Limit(adapt=True)``)
+    effective: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,16 +247,22 @@ def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings
                 for field, value in sorted(fields.items())
                 if field.startswith(SEEN_FIELD) and (said := _seen(field, value, now))
             )
-            if not paused_for and override is None and not seen:
+            rates = tuple(
+                (algorithm, int(window), effective(value, int(window), now))
+                for field, value in sorted(fields.items())
+                if field.startswith(EFF_FIELD)
+                for algorithm, _, window in [field[len(EFF_FIELD) :].partition(":")]
+            )
+            if not paused_for and override is None and not seen and not rates:
                 continue
             key = name[len(limiter.prefix) + 2 : -len(":settings")].replace("}", "", 1)
             if match is not None and not fnmatchcase(key, match):
                 continue
-            row = KeySettings(key, paused_for, seen=seen)
+            row = KeySettings(key, paused_for, seen=seen, effective=rates)
             if override is not None:
                 limit, window_us, ends = override
                 left = (ends - now) / 1_000_000 if ends else None
-                row = KeySettings(key, paused_for, Rate(limit, window_us), left, seen)
+                row = KeySettings(key, paused_for, Rate(limit, window_us), left, seen, rates)
             found.append(row)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "a status read") from exc
@@ -426,6 +437,11 @@ def format_settings(rows: Sequence[KeySettings]) -> list[str]:
             if seen.quota:
                 what += f"{',' if seen.reset_in else ''} quota {seen.quota}"
             lines.append(what)
+        for algorithm, window_us, limit in row.effective:
+            lines.append(
+                f"adapting {row.key} ({algorithm} {_window(window_us)}): effective "
+                f"{Rate(limit, window_us)} (the declared rate when lower)"
+            )
     return lines
 
 

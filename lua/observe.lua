@@ -2,12 +2,14 @@
 -- written where every decision on the keys reads it (lib/call.lua, read_settings).
 --
 -- KEYS: for each of m limits, its settings hash; then each of those limits' own key (a
--- log, an aligned limit's sorted set or a counter's hash), in the same order; then the
+-- log, an aligned limit's sorted set or a counter's hash), in the same order; the same
+-- for each of q limits whose effective rate to cut (Limit(adapt=True)); then the
 -- settings hash of every key to pause.
--- ARGV: [1] m; [2] the pause, µs (0: none); [3] since, µs of Redis time: the grant of the
--- call whose response this was (0: now); then, for each limit, r (units the upstream
--- has left), reset (µs from now until it is back to full) and l (its quota, 0: not
--- said, or not of this limit's window).
+-- ARGV: [1] m; [2] q; [3] the pause, µs (0: none); [4] since, µs of Redis time: the
+-- grant of the call whose response this was (0: now); then, for each of the m limits,
+-- r (units the upstream has left), reset (µs from now until it is back to full) and l
+-- (its quota, 0: not said, or not of this limit's window); then, for each of the q, its
+-- declared limit, window (µs) and the units it gives back a window.
 -- Reply: 1.
 --
 -- A limit's field "seen:<algorithm>:<window>" becomes "r t l lu": r units are left
@@ -25,7 +27,8 @@ local TOKEN_LEN = 8
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local m, pause, since = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local m, q = tonumber(ARGV[1]), tonumber(ARGV[2])
+local pause, since = tonumber(ARGV[3]), tonumber(ARGV[4])
 if since == 0 or since > now then since = now end
 
 -- Units granted on the limit `key` in (since, till): its entries' weights.
@@ -48,7 +51,7 @@ end
 
 for i = 1, m do
   local settings, key = KEYS[i], KEYS[m + i]
-  local a = 4 + 3 * (i - 1)
+  local a = 5 + 3 * (i - 1)
   local r, t, l = tonumber(ARGV[a]), now + tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local field = 'seen:' .. string.match(key, '([^:]+:%d+)$')
   local lu = 0
@@ -65,7 +68,12 @@ for i = 1, m do
   redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f %.0f', r, t, l, lu))
   settings_keep(settings, now, math.max(t, lu))
 end
+for j = 1, q do
+  local key, a = KEYS[2 * m + q + j], 5 + 3 * m + 3 * (j - 1)
+  settings_cut(KEYS[2 * m + j], 'eff:' .. string.match(key, '([^:]+:%d+)$'), now,
+    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]))
+end
 if pause > 0 then
-  for k = 2 * m + 1, #KEYS do settings_pause(KEYS[k], now, pause) end
+  for k = 2 * (m + q) + 1, #KEYS do settings_pause(KEYS[k], now, pause) end
 end
 return 1

@@ -10,6 +10,7 @@ import pytest
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._layout import (
     COUNTER_FIELDS,
+    EFF_FIELD,
     ENTRY_FLOOR,
     META_MEMBERS,
     PAUSE_FIELD,
@@ -54,9 +55,14 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     status = key_status(limiter.client, name, now)
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
-    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', seen_field(spec))"
+    settings = (
+        f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', seen_field(spec), "
+        "eff_field(spec))"
+    )
     assert settings in source("acquire")
     assert f"return '{SEEN_FIELD}' .. string.match" in source("acquire")
+    assert f"return '{EFF_FIELD}' .. string.match" in source("acquire")
+    assert f"'{EFF_FIELD}' .. string.match" in source("observe")
 
 
 @pytest.mark.parametrize("key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd"])

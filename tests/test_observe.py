@@ -7,10 +7,12 @@ weigh them; unknown headers write nothing. Time is read from Redis ``TIME``."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from celery_ratelimit import AsyncLimiter, Concurrency, Limit, Limiter
+from celery_ratelimit import AsyncLimiter, Concurrency, InvalidLimit, Limit, Limiter
+from celery_ratelimit._headers import Observation
 from celery_ratelimit._ops import Seen, format_settings, key_settings
 
 
@@ -121,3 +123,44 @@ def test_async_limiter_observes_the_same_budget(redis_url: str, limiter: Limiter
 
     assert asyncio.run(observe())
     assert [limiter.acquire("api", "5/s").allowed for _ in range(2)] == [True, False]
+
+
+def test_adapt_halves_the_rate_once_a_window_and_gives_a_tenth_back_each_window(
+    limiter: Limiter,
+) -> None:
+    limit = Limit("20/s", adapt=True)
+    limiter.observed("api", Observation(0.001), limit)
+    limiter.observed("api", Observation(0.001), limit)  # the same burst: no second cut
+    time.sleep(0.01)
+    assert [limiter.acquire("api", limit).allowed for _ in range(11)] == [True] * 10 + [False]
+    (row,) = key_settings(limiter)
+    assert row.effective == (("log", 10**6, 10),)
+    assert (
+        format_settings([row])[-1]
+        == "adapting api (log 1s): effective 10/s (the declared rate when lower)"
+    )
+    time.sleep(1.05)  # a window without a 429: 10 + 20 / 10
+    assert [limiter.acquire("api", limit).allowed for _ in range(13)] == [True] * 12 + [False]
+
+
+def test_adapt_never_goes_below_one_per_window(limiter: Limiter) -> None:
+    limit = Limit("2/0.1s", adapt=True)
+    for _ in range(3):
+        limiter.observed("api", Observation(0.001), limit)
+        time.sleep(0.11)
+    limiter.observed("api", Observation(0.001), limit)
+    (row,) = key_settings(limiter)
+    assert row.effective == (("log", 100_000, 1),)
+
+
+def test_a_limit_without_adapt_keeps_its_rate_through_a_retry_after(limiter: Limiter) -> None:
+    limiter.observed("api", Observation(0.001), "4/s")
+    time.sleep(0.01)
+    assert [limiter.acquire("api", "4/s").allowed for _ in range(5)] == [True] * 4 + [False]
+
+
+def test_adapt_on_a_concurrency_is_refused_when_declared() -> None:
+    with pytest.raises(InvalidLimit, match=r"Concurrency\(2, key='erp'\) cannot adapt"):
+        Concurrency(2, key="erp", adapt=True)
+    with pytest.raises(TypeError, match="'yes'"):
+        Limit("5/s", adapt="yes")  # type: ignore[arg-type]

@@ -73,9 +73,14 @@ local function read_call(keys, argv, pending)
 end
 
 -- The field of a limit's settings hash that holds what the upstream said of it (see
--- lua/observe.lua): "seen:" .. the algorithm and window its key ends with.
+-- lua/observe.lua): "seen:" .. the algorithm and window its key ends with; and the one
+-- that holds its effective rate (Limit(adapt=True), lib/settings.lua's settings_cut).
 local function seen_field(spec)
   return 'seen:' .. string.match(spec.key, '([^:]+:%d+)$')
+end
+
+local function eff_field(spec)
+  return 'eff:' .. string.match(spec.key, '([^:]+:%d+)$')
 end
 
 -- Read the settings hashes of the call's keys: returns the earliest instant the call
@@ -88,7 +93,9 @@ end
 -- What an upstream said of a limit (its "seen:" field, "r t l lu") applies too: a limit
 -- of l units observed lowers the limit to l until lu; and with `observed`, r units left
 -- until t hold the call back until t when its cost does not fit them (that limit's
--- index in replies), the limit being put in c.seen for seen_take.
+-- index in replies), the limit being put in c.seen for seen_take. An effective rate
+-- ("eff:" field, "e cut step": e units a window at the instant cut, step more for each
+-- whole window since) lowers the limit while below it.
 local function read_settings(c, observed)
   local gate, by, n = c.now, 0, #c.logs
   c.seen = {}
@@ -96,7 +103,7 @@ local function read_settings(c, observed)
     local spec = i <= n and c.logs[i] or c.cals[i - n]
     local s
     if spec then
-      s = redis.call('HMGET', key, 'pause', 'rate', seen_field(spec))
+      s = redis.call('HMGET', key, 'pause', 'rate', seen_field(spec), eff_field(spec))
     else
       s = redis.call('HMGET', key, 'pause', 'rate')
     end
@@ -113,6 +120,13 @@ local function read_settings(c, observed)
         if w == spec.window or (alone and not spec.b) then
           spec.limit, spec.window = math.max(l, spec.cost), w
         end
+      end
+    end
+    if s[4] then
+      local e, cut, step = string.match(s[4], '^(%d+) (%d+) (%d+)$')
+      if e then
+        local eff = tonumber(e) + math.floor((c.now - tonumber(cut)) / spec.window) * tonumber(step)
+        if eff < spec.limit then spec.limit = math.max(eff, spec.cost) end
       end
     end
     if s[3] then
