@@ -3,10 +3,12 @@ at twice what a real HTTP upstream (tests/upstream.py, its own sliding limit) al
 each body observes the upstream's headers (IETF ``RateLimit``, ``X-RateLimit-*`` with an
 epoch reset, LLM-style ``x-ratelimit-*-requests``). Once the first answer was observed,
 no window of the upstream's holds more requests than its limit, and every task gets its
-one accepted call: nothing lost, nothing run twice."""
+one accepted call: nothing lost, nothing run twice. And a ``Limit(adapt=True)`` cut by
+one node's 429 holds on every node."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -56,3 +58,30 @@ def test_no_window_above_the_upstreams_limit_once_observed(
         )
     hosts = {run["hostname"] for run in nodes.runs()}
     assert len(hosts) > 1, "one node ran every task: nothing was shared"
+
+
+def test_an_adapting_rate_cut_by_one_node_holds_on_every_node(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    """Task 0's 429 on one node halves the key's 20/s to 10/s; the tasks sent after it
+    are granted on every node at no more than the effective rate: 10 a window, and 2
+    (a tenth of 20) more for each whole window since the cut."""
+    nodes = start_nodes()
+    first = nodes.send("adapts_upstream", 0).id
+    settings = f"{nodes.prefix}:{{adapting}}:settings"
+    deadline = time.monotonic() + 30
+    while not nodes.redis().hget(settings, "eff:log:1000000"):
+        assert time.monotonic() < deadline, "the 429 never cut the rate"
+        time.sleep(0.05)
+    cut = min(r["t"] for r in nodes.runs())  # the cut came after this run began
+    ids = [nodes.send("adapts_upstream", i).id for i in range(1, 61)]
+    runs = nodes.wait_for_runs([first, *ids], timeout=90)
+    counted = Counter(r["id"] for r in runs)
+    assert set(counted) == {first, *ids}, "a task never ran"
+    assert counted[first] == 2 and max(counted[i] for i in ids) == 1
+    grants = sorted(r["granted"] for r in runs if r["id"] != first)
+    for k, at in enumerate(grants):
+        allowed = min(20, 10 + 2 * ((at - cut) // 1_000_000))
+        in_window = k + 1 - bisect.bisect_right(grants, at - 1_000_000)
+        assert in_window <= allowed, f"{in_window} grants in the second before {at}"
+    assert len({r["hostname"] for r in runs if r["id"] != first}) > 1

@@ -348,6 +348,16 @@ def calls_upstream(self: Any, i: int, pause: float) -> int:
     return i
 
 
+@app.task(base=RateLimitedTask, ratelimit=Limit("20/s", key="adapting", adapt=True), bind=True)
+def adapts_upstream(self: Any, i: int) -> int:
+    """Task 0's first run is answered 429 (Retry-After: 1): the key's rate is cut."""
+    now = record(self, i=i)
+    assert _client is not None
+    if i == 0 and _client.set(f"{PREFIX}:429", now, nx=True):
+        raise UpstreamRateLimited("1")
+    return i
+
+
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="http:{family}"), bind=True)
 def calls_http(self: Any, family: str, i: int, url: str) -> int:
     """Call a real HTTP upstream (tests/upstream.py) and observe its headers; a 429 is
