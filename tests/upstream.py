@@ -6,10 +6,14 @@ and answers every request with its rate-limit headers, in the family its path na
 - ``/x``: ``X-RateLimit-Limit``, ``-Remaining``, ``-Reset`` (the reset in epoch seconds)
 - ``/llm``: ``x-ratelimit-limit-requests``, ``-remaining-requests``, ``-reset-requests``
   (a duration in milliseconds)
+- ``/none``: no rate-limit headers (a 429 still gives its ``Retry-After``)
 
-The reset is when the window is back to full (the newest request's arrival + W), rounded
-up where the family counts whole seconds. Over the limit it answers 429 with a
-``Retry-After`` (whole seconds, rounded up). Every request is kept in ``arrivals``.
+A path ``/<family>-<anything>`` answers as ``/<family>`` with a window of its own.
+
+The reset is when the oldest request of the window leaves it (until then, the remaining
+is all there is), rounded up where the family counts whole seconds. Over the limit it
+answers 429 with a ``Retry-After`` (whole seconds, rounded up). Every request is kept in
+``arrivals``.
 """
 
 from __future__ import annotations
@@ -87,28 +91,31 @@ class Upstream:
                 accepted.append(now)
             self.arrivals.append(Arrival(now, family, task, status))
             remaining = self.limit - len(accepted)
-            full = accepted[-1] + self.window - now if accepted else 0.0
-            headers = self._headers(family, remaining, full, now)
+            frees = accepted[0] + self.window - now if accepted else 0.0
+            headers = self._headers(family, remaining, frees, now)
             if status == 429:
                 headers["Retry-After"] = str(math.ceil(accepted[0] + self.window - now))
             return status, headers
 
-    def _headers(self, family: str, remaining: int, full: float, now: float) -> dict[str, str]:
+    def _headers(self, family: str, remaining: int, frees: float, now: float) -> dict[str, str]:
+        family = family.split("-")[0]
+        if family == "none":
+            return {}
         if family == "ietf":
             return {
                 "RateLimit-Policy": f'"default";q={self.limit};w={math.ceil(self.window)}',
-                "RateLimit": f'"default";r={remaining};t={math.ceil(full)}',
+                "RateLimit": f'"default";r={remaining};t={math.ceil(frees)}',
             }
         if family == "x":
             return {
                 "X-RateLimit-Limit": str(self.limit),
                 "X-RateLimit-Remaining": str(remaining),
-                "X-RateLimit-Reset": str(math.ceil(now + full)),
+                "X-RateLimit-Reset": str(math.ceil(now + frees)),
             }
         return {
             "x-ratelimit-limit-requests": str(self.limit),
             "x-ratelimit-remaining-requests": str(remaining),
-            "x-ratelimit-reset-requests": f"{math.ceil(full * 1000)}ms",
+            "x-ratelimit-reset-requests": f"{math.ceil(frees * 1000)}ms",
         }
 
 
