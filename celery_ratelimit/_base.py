@@ -269,7 +269,7 @@ class LimiterBase:
         keys = self.keys_for(key, normalized)
         noted: list[str] = []
         numbers: list[int] = []
-        for redis_key_, limit in zip(keys, normalized, strict=True):
+        for name, limit in zip(keys, normalized, strict=True):
             budget = budget_for(limit, seen)
             if budget is None:
                 continue
@@ -277,15 +277,15 @@ class LimiterBase:
             quota = budget.limit or 0
             if budget.window is not None and abs(budget.window * 1_000_000 - window) > 1000:
                 quota = 0  # a quota of another window says nothing of this limit's
-            noted.append(redis_key_)
+            noted.append(name)
             numbers += (budget.remaining, int(budget.reset * 1_000_000), quota)
         pause = seen.retry_after or 0.0
         cut: list[str] = []
         if pause > 0:
-            for redis_key_, limit in zip(keys, normalized, strict=True):
+            for name, limit in zip(keys, normalized, strict=True):
                 if limit.adapt:
                     rate = limit.fixed_rate
-                    cut.append(redis_key_)
+                    cut.append(name)
                     numbers += (rate.limit, rate.window_us, max(rate.limit // ADAPT_SHARE, 1))
         if not noted and pause <= 0:
             return None
