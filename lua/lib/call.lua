@@ -72,15 +72,12 @@ local function read_call(keys, argv, pending)
   return c
 end
 
--- The field of a limit's settings hash that holds what the upstream said of it (see
--- lua/observe.lua): "seen:" .. the algorithm and window its key ends with; and the one
--- that holds its effective rate (Limit(adapt=True), lib/settings.lua's settings_cut).
-local function seen_field(spec)
-  return 'seen:' .. string.match(spec.key, '([^:]+:%d+)$')
-end
-
-local function eff_field(spec)
-  return 'eff:' .. string.match(spec.key, '([^:]+:%d+)$')
+-- The fields of a limit's settings hash that hold what the upstream said of it (see
+-- lua/observe.lua) and its effective rate (Limit(adapt=True), lib/settings.lua's
+-- settings_cut): "seen:" and "eff:" .. the algorithm and window its key ends with.
+local function settings_fields(spec)
+  local limit = string.match(spec.key, '([^:]+:%d+)$')
+  return 'seen:' .. limit, 'eff:' .. limit
 end
 
 -- Read the settings hashes of the call's keys: returns the earliest instant the call
@@ -101,9 +98,11 @@ local function read_settings(c, observed)
   c.seen = {}
   for i, key in ipairs(c.settings) do
     local spec = i <= n and c.logs[i] or c.cals[i - n]
-    local s
+    local s, seen
     if spec then
-      s = redis.call('HMGET', key, 'pause', 'rate', seen_field(spec), eff_field(spec))
+      local eff
+      seen, eff = settings_fields(spec)
+      s = redis.call('HMGET', key, 'pause', 'rate', seen, eff)
     else
       s = redis.call('HMGET', key, 'pause', 'rate')
     end
@@ -135,7 +134,7 @@ local function read_settings(c, observed)
         r, t, l, lu = tonumber(r), tonumber(t), tonumber(l), tonumber(lu)
         if l > 0 and lu > c.now and l < spec.limit then spec.limit = math.max(l, spec.cost) end
         if observed and t > c.now then
-          spec.seen = {key = key, r = r, t = t, l = l, lu = lu}
+          spec.seen = {key = key, field = seen, r = r, t = t, l = l, lu = lu}
           c.seen[#c.seen + 1] = spec
           if r < spec.cost and t > gate then gate, by = t, i end
         end
@@ -152,8 +151,7 @@ local function seen_take(c, at)
     local b = spec.seen
     if at < b.t then
       b.r = math.max(b.r - spec.cost, 0)
-      redis.call('HSET', b.key, seen_field(spec),
-        string.format('%.0f %.0f %.0f %.0f', b.r, b.t, b.l, b.lu))
+      redis.call('HSET', b.key, b.field, string.format('%.0f %.0f %.0f %.0f', b.r, b.t, b.l, b.lu))
     end
   end
 end
