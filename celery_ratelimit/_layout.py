@@ -74,6 +74,9 @@ RATE_FIELD = "rate"
 #: Prefix of a settings hash field: what an upstream said of one limit of the key,
 #: ``"seen:<algorithm>:<window_us>"`` -> ``"r t l lu"`` (``lua/observe.lua``).
 SEEN_FIELD = "seen:"
+#: Field of a key's settings hash: 1 once an upstream was observed on the key (its limits'
+#: seen and eff fields are read only then).
+UP_FIELD = "up"
 #: Prefix of a settings hash field: the effective rate of an adapting limit of the key,
 #: ``"eff:<algorithm>:<window_us>"`` -> ``"e cut_us step"`` (``lua/lib/settings.lua``).
 EFF_FIELD = "eff:"

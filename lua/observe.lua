@@ -12,7 +12,8 @@
 -- declared limit, window (µs) and the units it gives back a window.
 -- Reply: 1.
 --
--- A limit's field "seen:<algorithm>:<window>" becomes "r t l lu": r units are left
+-- A limit's field "seen:<algorithm>:<window>" becomes "r t l lu" (and the hash's "up"
+-- field 1: decisions read the limits' fields only where it is): r units are left
 -- until the instant t, l the upstream's quota in force until lu. r counts, besides what
 -- the upstream said, every unit granted on the limit after `since` and before t (those
 -- calls had not reached the upstream when it answered; a counter keeps no instants, so
@@ -65,7 +66,7 @@ for i = 1, m do
     end
   end
   r = math.max(r - unseen(key, t), 0)
-  redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f %.0f', r, t, l, lu))
+  redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f %.0f', r, t, l, lu), 'up', 1)
   settings_keep(settings, now, math.max(t, lu))
 end
 for j = 1, q do

@@ -80,6 +80,32 @@ local function settings_fields(spec)
   return 'seen:' .. limit, 'eff:' .. limit
 end
 
+-- What an upstream said of the limit `spec` (index i, settings hash `key`): see
+-- read_settings. Returns the gate and its index as they now are.
+local function read_seen(c, spec, key, i, observed, gate, by)
+  local seen, eff = settings_fields(spec)
+  local said = redis.call('HMGET', key, seen, eff)
+  if said[2] then
+    local e, cut, step = string.match(said[2], '^(%d+) (%d+) (%d+)$')
+    if e then
+      local most = tonumber(e) + math.floor((c.now - tonumber(cut)) / spec.window) * tonumber(step)
+      if most < spec.limit then spec.limit = math.max(most, spec.cost) end
+    end
+  end
+  local r, t, l, lu = string.match(said[1] or '', '^(%d+) (%d+) (%d+) (%d+)$')
+  if r then
+    r, t, l, lu = tonumber(r), tonumber(t), tonumber(l), tonumber(lu)
+    if l > 0 and lu > c.now and l < spec.limit then spec.limit = math.max(l, spec.cost) end
+    if observed and t > c.now then
+      spec.seen = {key = key, field = seen, r = r, t = t, l = l, lu = lu}
+      c.seen = c.seen or {}
+      c.seen[#c.seen + 1] = spec
+      if r < spec.cost and t > gate then gate, by = t, i end
+    end
+  end
+  return gate, by
+end
+
 -- Read the settings hashes of the call's keys: returns the earliest instant the call
 -- may start at as far as a pause of any of them says (now if none) and the index of a
 -- pause in replies (0: none); and puts each rate override in force into the limit it
@@ -92,20 +118,14 @@ end
 -- until t hold the call back until t when its cost does not fit them (that limit's
 -- index in replies), the limit being put in c.seen for seen_take. An effective rate
 -- ("eff:" field, "e cut step": e units a window at the instant cut, step more for each
--- whole window since) lowers the limit while below it.
+-- whole window since) lowers the limit while below it. Those two fields are read only
+-- from a hash whose "up" field says an upstream was observed on the key: a key nothing
+-- was observed on pays one field more.
 local function read_settings(c, observed)
   local gate, by, n = c.now, 0, #c.logs
-  c.seen = {}
   for i, key in ipairs(c.settings) do
     local spec = i <= n and c.logs[i] or c.cals[i - n]
-    local s, seen
-    if spec then
-      local eff
-      seen, eff = settings_fields(spec)
-      s = redis.call('HMGET', key, 'pause', 'rate', seen, eff)
-    else
-      s = redis.call('HMGET', key, 'pause', 'rate')
-    end
+    local s = redis.call('HMGET', key, 'pause', 'rate', 'up')
     local until_us = tonumber(s[1] or 0)
     if until_us > gate then gate, by = until_us, c.paused_by end
     if s[2] and spec then
@@ -121,25 +141,7 @@ local function read_settings(c, observed)
         end
       end
     end
-    if s[4] then
-      local e, cut, step = string.match(s[4], '^(%d+) (%d+) (%d+)$')
-      if e then
-        local eff = tonumber(e) + math.floor((c.now - tonumber(cut)) / spec.window) * tonumber(step)
-        if eff < spec.limit then spec.limit = math.max(eff, spec.cost) end
-      end
-    end
-    if s[3] then
-      local r, t, l, lu = string.match(s[3], '^(%d+) (%d+) (%d+) (%d+)$')
-      if r then
-        r, t, l, lu = tonumber(r), tonumber(t), tonumber(l), tonumber(lu)
-        if l > 0 and lu > c.now and l < spec.limit then spec.limit = math.max(l, spec.cost) end
-        if observed and t > c.now then
-          spec.seen = {key = key, field = seen, r = r, t = t, l = l, lu = lu}
-          c.seen[#c.seen + 1] = spec
-          if r < spec.cost and t > gate then gate, by = t, i end
-        end
-      end
-    end
+    if s[3] and spec then gate, by = read_seen(c, spec, key, i, observed, gate, by) end
   end
   return gate, by
 end
@@ -147,6 +149,7 @@ end
 -- Take the call's cost from what the upstream said is left of each limit in c.seen
 -- (read_settings), when the instant `at` the call counts at comes before its reset.
 local function seen_take(c, at)
+  if not c.seen then return end
   for _, spec in ipairs(c.seen) do
     local b = spec.seen
     if at < b.t then

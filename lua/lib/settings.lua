@@ -34,7 +34,7 @@ local function settings_cut(settings, field, now, limit, window, step)
   end
   if now - cut < window then return eff end
   eff = math.max(math.floor(eff / 2), 1)
-  redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f', eff, now, step))
+  redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f', eff, now, step), 'up', 1)
   settings_keep(settings, now, now + math.ceil((limit - eff) / step) * window)
   return eff
 end
