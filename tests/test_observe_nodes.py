@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 LIMIT, WINDOW = 10, 1.0
 DECLARED = f"{2 * LIMIT}/s"
 PER_FAMILY = 30
+#: How much narrower than the upstream's window its arrivals are counted in (seconds).
+ARRIVAL_SLACK = 0.1
 
 
 def test_no_window_above_the_upstreams_limit_once_observed(
@@ -46,17 +48,25 @@ def test_no_window_above_the_upstreams_limit_once_observed(
     lost = set(sent) - set(accepted)
     assert not lost, f"{len(lost)} of {len(sent)} tasks never got an accepted call"
     assert max(accepted.values()) == 1, "a task's call was accepted twice"
+    runs = nodes.runs()
     for family in FAMILIES:
         mine = [a for a in arrivals if a.family == family]
         observed = min(a.at for a in mine)  # its answer is observed right after
+        # the limiter's side, exact: the grants (Redis time, this machine's clock)
+        grants = [r["granted"] / 1e6 for r in runs if r["family"] == family]
+        most = most_in_window([g for g in grants if g > observed], WINDOW)
+        assert most <= LIMIT, f"{family}: {most} grants in one window of {LIMIT}/s"
+        # the upstream's side: a call arrives a moment after its grant (the body starts,
+        # connects); on a busy machine that moment varies by more than the guard the
+        # grants are spaced by, so the windows counted here are ARRIVAL_SLACK narrower
         later = [a.at for a in mine if a.at > observed]
-        most = most_in_window(later, WINDOW)
+        most = most_in_window(later, WINDOW - ARRIVAL_SLACK)
         rejected = sum(a.status == 429 for a in mine)
         assert most <= LIMIT, (
-            f"{family}: {most} requests in one window of the upstream's {LIMIT}/s "
-            f"({rejected} answered 429)"
+            f"{family}: {most} requests in {WINDOW - ARRIVAL_SLACK:g} s at the upstream "
+            f"of {LIMIT}/s ({rejected} answered 429)"
         )
-    hosts = {run["hostname"] for run in nodes.runs()}
+    hosts = {run["hostname"] for run in runs}
     assert len(hosts) > 1, "one node ran every task: nothing was shared"
 
 
