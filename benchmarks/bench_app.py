@@ -14,13 +14,22 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import redis
 from celery import Celery
 
 from benchmarks.bench_limiter import floor_script
-from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited, _clock
+from celery_ratelimit import (
+    Concurrency,
+    Limit,
+    RateLimitedTask,
+    UpstreamRateLimited,
+    _clock,
+    observe,
+)
 from celery_ratelimit._client import HeldConnection
 
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
@@ -218,3 +227,40 @@ def flood(self: Any) -> None:
     granted = int(decision.at * 1_000_000) if decision is not None else line
     deferrals = getattr(self.request, "ratelimit_deferrals", 0) or 0
     _client.eval(STAMP_SCRIPT, 1, "bench:runs:flood", line, f"{granted} {deferrals}")
+
+
+#: The upstream of the bench_upstream scenarios (tests/upstream.py) and the rate the
+#: tasks declare (twice what it allows, as when a provider lowers a plan).
+UPSTREAM = os.environ.get("CRL_BENCH_UPSTREAM", "http://127.0.0.1:1")
+DECLARED = os.environ.get("CRL_BENCH_DECLARED", "40/s")
+
+
+def call_upstream(task: Any, path: str, read_headers: bool) -> None:
+    """One call of the upstream; its headers observed when ``read_headers``; a 429
+    raised as UpstreamRateLimited with its Retry-After."""
+    url = f"{UPSTREAM}/{path}?task={task.request.id}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            if read_headers:
+                observe(answer.headers)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 429:
+            raise
+        if read_headers:
+            observe(exc.headers)
+        raise UpstreamRateLimited(exc.headers.get("Retry-After")) from None
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(DECLARED, key="up:{path}"), bind=True)
+def upstream_pause(self: Any, path: str) -> None:
+    call_upstream(self, path, read_headers=False)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(DECLARED, key="up:{path}"), bind=True)
+def upstream_observe(self: Any, path: str) -> None:
+    call_upstream(self, path, read_headers=True)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(DECLARED, key="up:{path}", adapt=True), bind=True)
+def upstream_adapt(self: Any, path: str) -> None:
+    call_upstream(self, path, read_headers=False)

@@ -5,7 +5,7 @@ Public API::
     from celery_ratelimit import Limit, Concurrency, Limiter, AsyncLimiter, Decision
     from celery_ratelimit import RateLimitedTask, ratelimit, install
     from celery_ratelimit import UpstreamRateLimited, RateLimitError, RateLimitExceeded
-    from celery_ratelimit import settle
+    from celery_ratelimit import settle, observe
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ._exceptions import (
 from ._install import install
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
+from ._observe import observe
 from ._rate import Rate
 from ._settle import settle
 from ._task import RateLimitedTask
@@ -46,6 +47,7 @@ __all__ = [
     "RateLimitedTask",
     "UpstreamRateLimited",
     "install",
+    "observe",
     "ratelimit",
     "settle",
 ]

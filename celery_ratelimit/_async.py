@@ -16,6 +16,7 @@ from ._base import DEFAULT_PREFIX, LimiterBase, ScriptCall
 from ._decision import Decision
 from ._exceptions import InvalidLimit, RateLimitError
 from ._failures import check_versions, translate
+from ._headers import parse
 from ._layout import companions, key_glob, keys_among
 from ._limit import LimitSpec, to_limits
 from ._limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
@@ -150,6 +151,22 @@ class AsyncLimiter(LimiterBase):
     ) -> None:
         """As :meth:`Limiter.override`: use ``rate`` for ``key`` on every worker."""
         await self._script_reply(self._override_call(key, rate, ttl))
+
+    async def observe(
+        self,
+        key: str | Sequence[str],
+        headers: Any,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """As :meth:`Limiter.observe`: what the upstream's ``headers`` say, for every
+        worker."""
+        call = self._observe_call(key, parse(headers), limits, since)
+        if call is None:
+            return False
+        await self._script_reply(call)
+        return True
 
     async def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """As :meth:`Limiter.reset`: forget what was counted for ``key``."""

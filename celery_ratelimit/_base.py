@@ -11,12 +11,17 @@ from typing import Any, NamedTuple
 
 from ._decision import TOKEN_BYTES, Decision, parse_token, token_of
 from ._exceptions import InvalidLimit
+from ._headers import Budget, Observation
 from ._keys import escape_key
-from ._layout import redis_key, script_keys, settings_key
+from ._layout import redis_key, script_keys, settings_key, settings_of
 from ._limit import Concurrency, Limit, LimitSpec, describe, to_limits
 from ._rate import Rate
 from ._scripts import MAX_HORIZON, NAMES, Shape, shape, source
 from ._upstream import seconds_from
+
+#: An adapting limit (``Limit(adapt=True)``) gives back this share of its declared rate
+#: (1 / ADAPT_SHARE) per window without a 429.
+ADAPT_SHARE = 10
 
 #: Reply statuses (see ``lua/lib/call.lua``).
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT, SETTLED = range(8)
@@ -59,6 +64,16 @@ def _counter(limits: tuple[Any, ...]) -> bool:
     """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
     first = limits[0]
     return isinstance(first, Limit) and first.align is None and first.algorithm == "counter"
+
+
+def budget_for(limit: Any, seen: Observation) -> Budget | None:
+    """Which budget of ``seen`` a limit takes: a limit counted in calls (its cost the
+    default 1) the budget in requests; a limit that weighs its calls (another cost, or a
+    cost function) the budget in tokens. A concurrency limit takes none."""
+    if isinstance(limit, Concurrency):
+        return None
+    weighs = callable(limit.cost) or limit.cost != 1
+    return seen.tokens if weighs else seen.requests
 
 
 class LimiterBase:
@@ -243,6 +258,50 @@ class LimiterBase:
         limit, window_us = (parsed.limit, parsed.window_us) if parsed is not None else (0, 0)
         keys = [settings_key(self.prefix, key if escaped else escape_key(key))]
         return ScriptCall("override", keys, [limit, window_us, ttl_us])
+
+    def _observe_call(
+        self,
+        key: str | Sequence[str],
+        seen: Observation,
+        limits: LimitSpec,
+        since: float | None,
+    ) -> ScriptCall | None:
+        """The call that writes what ``seen`` says for ``key``'s ``limits`` (None:
+        nothing to write): the budgets (see :func:`budget_for` for which a limit takes),
+        and, for a ``Retry-After``, the pause of every key and a cut of the effective
+        rate of the limits declared ``adapt=True``."""
+        normalized = to_limits(limits)
+        keys = self.keys_for(key, normalized)
+        noted: list[str] = []
+        numbers: list[int] = []
+        for name, limit in zip(keys, normalized, strict=True):
+            budget = budget_for(limit, seen)
+            if budget is None:
+                continue
+            window = limit.fixed_rate.window_us
+            quota = budget.limit or 0
+            if budget.window is not None and abs(budget.window * 1_000_000 - window) > 1000:
+                quota = 0  # a quota of another window says nothing of this limit's
+            noted.append(name)
+            numbers += (budget.remaining, int(budget.reset * 1_000_000), quota)
+        pause = seen.retry_after or 0.0
+        cut: list[str] = []
+        if pause > 0:
+            for name, limit in zip(keys, normalized, strict=True):
+                if limit.adapt:
+                    rate = limit.fixed_rate
+                    cut.append(name)
+                    numbers += (rate.limit, rate.window_us, max(rate.limit // ADAPT_SHARE, 1))
+        if not noted and pause <= 0:
+            return None
+        paused = sorted({settings_of(k) for k in keys}) if pause > 0 else []
+        since_us = 0 if since is None else max(round(since * 1_000_000), 0)
+        every = [*(settings_of(k) for k in noted), *noted, *(settings_of(k) for k in cut), *cut]
+        return ScriptCall(
+            "observe",
+            every + paused,
+            [len(noted), len(cut), int(min(pause, MAX_HORIZON) * 1_000_000), since_us, *numbers],
+        )
 
     def _prepared(self, key: str | Sequence[str], shape: Shape) -> list[str]:
         """The script's keys for ``key`` under ``shape``, worked out and checked (with the

@@ -26,6 +26,7 @@ def ratelimit(
     cost: int | CostFunc = 1,
     algorithm: str = "log",
     align: str | None = None,
+    adapt: bool = False,
     **options: Any,
 ) -> Callable[[T], T]:
     """Decorate a Celery task (placed above ``@app.task`` or ``@shared_task``).
@@ -53,12 +54,13 @@ def ratelimit(
     """
     if isinstance(rate, str) or (callable(rate) and not isinstance(rate, (Limit, Concurrency))):
         limits = to_limits(
-            Limit(rate, key=key, cost=cost, algorithm=algorithm, align=align)  # type: ignore[arg-type]
+            Limit(rate, key=key, cost=cost, algorithm=algorithm, align=align, adapt=adapt)  # type: ignore[arg-type]
         )
     else:
-        if key is not None or cost != 1 or algorithm != "log" or align is not None:
+        if key is not None or cost != 1 or algorithm != "log" or align is not None or adapt:
             raise TypeError(
-                "key, cost, algorithm and align apply to a rate string; put them in the Limit"
+                "key, cost, algorithm, align and adapt apply to a rate string; put them in "
+                "the Limit"
             )
         limits = to_limits(rate)
     attributes: dict[str, Any] = {"ratelimit": limits}

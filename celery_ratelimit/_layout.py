@@ -74,6 +74,15 @@ PAUSE_FIELD = "pause"
 #: Field of a key's settings hash: its rate override, "limit window_us until_us" (until
 #: 0: until removed).
 RATE_FIELD = "rate"
+#: Prefix of a settings hash field: what an upstream said of one limit of the key,
+#: ``"seen:<algorithm>:<window_us>"`` -> ``"r t l lu"`` (``lua/observe.lua``).
+SEEN_FIELD = "seen:"
+#: Field of a key's settings hash: 1 once an upstream was observed on the key (its limits'
+#: seen and eff fields are read only then).
+UP_FIELD = "up"
+#: Prefix of a settings hash field: the effective rate of an adapting limit of the key,
+#: ``"eff:<algorithm>:<window_us>"`` -> ``"e cut_us step"`` (``lua/lib/settings.lua``).
+EFF_FIELD = "eff:"
 ALGORITHMS = ("log", "counter", "conc", "cal")
 
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
@@ -96,7 +105,7 @@ def script_keys(keys: list[str], limits: tuple[Any, ...]) -> list[str]:
     the sliding rate limits' keys, then (log) each one's pending set, then the aligned
     limits' keys, then each concurrency limit's key and companions, then each limit's
     settings hash."""
-    settings = [k.rsplit(":", 2)[0] + ":settings" for k in keys]
+    settings = [settings_of(k) for k in keys]
     sliding, aligned, every = [], [], []
     for k, limit in zip(keys, limits, strict=True):
         if isinstance(limit, Concurrency):
@@ -108,6 +117,40 @@ def script_keys(keys: list[str], limits: tuple[Any, ...]) -> list[str]:
     if sliding and limits[0].algorithm == "log":
         sliding += [k + PENDING for k in sliding]
     return sliding + aligned + every + settings
+
+
+def settings_of(redis_key: str) -> str:
+    """The settings hash of a limit's Redis key."""
+    return redis_key.rsplit(":", 2)[0] + ":settings"
+
+
+def seen_field(redis_key: str) -> str:
+    """The settings hash field of what an upstream said of the limit ``redis_key``."""
+    algorithm, window = redis_key.rsplit(":", 2)[1:]
+    return f"{SEEN_FIELD}{algorithm}:{window}"
+
+
+def parse_seen(value: bytes | str | None, now: int) -> tuple[int, int, int] | None:
+    """``(remaining, reset_us, quota)`` of a :data:`SEEN_FIELD` value at ``now`` (µs):
+    the remaining and its reset while before it, the quota while in force (0: none);
+    None when neither holds."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    remaining, reset, quota, until = (int(part) for part in text.split())
+    if reset <= now:
+        remaining = reset = 0
+    if until <= now:
+        quota = 0
+    return (remaining, reset, quota) if reset or quota else None
+
+
+def effective(value: bytes | str, window_us: int, now: int) -> int:
+    """The effective limit an :data:`EFF_FIELD` value gives at ``now`` (µs), before the
+    declared limit caps it."""
+    text = value.decode() if isinstance(value, bytes) else value
+    eff, cut, step = (int(part) for part in text.split())
+    return eff + (now - cut) // window_us * step
 
 
 def settings_key(prefix: str, key: str) -> str:

@@ -99,6 +99,11 @@ class Limit:
             midnight to midnight (23 or 25 hours on a DST day), each hour or minute
             from its start; a full window's ``retry_after`` runs to the next one. The
             rate must be per day, hour or minute (``"10000/d"``).
+        adapt: follow the upstream's answers (AIMD): each ``UpstreamRateLimited`` (or
+            observed ``Retry-After``) halves the key's effective rate, at most once a
+            window and never below one call per window; each window without one gives
+            back a tenth of the declared rate, up to it. The effective rate lives in
+            Redis, shared by every worker, and is read by the same call that decides.
 
     Raises:
         InvalidRate: ``rate`` cannot be parsed.
@@ -118,6 +123,7 @@ class Limit:
     on_redis_error: RedisErrorPolicy | None
     name: str | None
     align: str | None
+    adapt: bool
     fields: tuple[str, ...] = field(repr=False, compare=False)
 
     def __init__(
@@ -130,10 +136,14 @@ class Limit:
         on_redis_error: RedisErrorPolicy | None = None,
         name: str | None = None,
         align: str | None = None,
+        adapt: bool = False,
     ) -> None:
+        if not isinstance(adapt, bool):
+            raise TypeError(f"Limit adapt must be True or False, got {adapt!r}")
         set_ = object.__setattr__
         set_(self, "rate", rate if callable(rate) else Rate.parse(rate))
         set_(self, "align", align)
+        set_(self, "adapt", adapt)
         set_(self, "key", key)
         set_(self, "cost", cost)
         set_(self, "algorithm", algorithm)
@@ -165,6 +175,7 @@ class Limit:
             self.on_redis_error,
             self.name,
             self.align,
+            self.adapt,
         )
 
     @property
@@ -243,6 +254,7 @@ class Limit:
             on_redis_error=self.on_redis_error,
             name=self.name,
             align=self.align,
+            adapt=self.adapt,
         )
 
 
@@ -285,6 +297,7 @@ class Concurrency:
     cost = 1
     algorithm = kind = "conc"
     on_redis_error = None
+    adapt = False
 
     def __init__(
         self,
@@ -293,7 +306,14 @@ class Concurrency:
         *,
         lease: float | None = None,
         name: str | None = None,
+        adapt: bool = False,
     ) -> None:
+        if adapt is not False:
+            raise InvalidLimit(
+                f"Concurrency({n!r}, key={key!r}) cannot adapt: adapt=True follows an "
+                "upstream's rate, and a Concurrency counts running bodies, not a rate "
+                "(give it to the Limit stacked with it)"
+            )
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"Concurrency n must be a positive int, got {n!r}")
         if n < 1:

@@ -12,6 +12,7 @@ from ._client import HeldConnection, client_from_url
 from ._decision import Decision
 from ._exceptions import LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
+from ._headers import Observation, parse
 from ._layout import companions, keys_of
 from ._limit import LimitSpec, to_limits
 from ._rate import Rate
@@ -288,6 +289,61 @@ class Limiter(LimiterBase):
         templated key's hash tag marked: see ``_keys``), one script call each."""
         for key in escaped:
             self._script_reply(self._override_call(key, rate, ttl, escaped=True))
+
+    def observe(
+        self,
+        key: str | Sequence[str],
+        headers: Any,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """Bring ``key``'s shared budget in line with what the upstream's response
+        ``headers`` say (one script call; the decisions read it with no extra round trip).
+
+        ``Retry-After`` pauses the key as :meth:`pause` does. When the upstream says r
+        units remain until its reset, no worker is granted more than r before then; a
+        quota it states (``X-RateLimit-Limit``, the IETF policy, ``x-ratelimit-limit-*``)
+        lowers the limit to it while it is said again, for an hour past its reset (a quota
+        of another window, as the IETF policy's ``w`` tells, changes only the budget). A
+        limit counted in calls (cost 1) takes the budget in requests, a limit that weighs
+        its calls (another cost, a cost function) the budget in tokens
+        (``x-ratelimit-*-tokens``). Headers it does not understand change nothing (one
+        DEBUG line).
+
+        Args:
+            key, limits: as given to :meth:`acquire` for the call that got this answer.
+            headers: a dict, a list of (name, value) pairs, or a requests / httpx /
+                urllib response's headers.
+            since: the call's ``Decision.at``: what was granted after it, before the
+                reset, is taken from the budget too (the upstream had not seen those
+                calls yet). None: only what is granted from now on.
+
+        Returns:
+            True when the headers said something the limiter wrote.
+
+        Raises:
+            TypeError: ``headers`` is not headers.
+            InvalidLimit: a bad key or limits.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
+        return self.observed(key, parse(headers), limits, since=since)
+
+    def observed(
+        self,
+        key: str | Sequence[str],
+        seen: Observation,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """:meth:`observe` for headers already read (the Celery layer's
+        ``UpstreamRateLimited`` is an observation of a ``Retry-After``)."""
+        call = self._observe_call(key, seen, limits, since)
+        if call is None:
+            return False
+        self._script_reply(call)
+        return True
 
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window

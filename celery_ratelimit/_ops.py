@@ -22,16 +22,20 @@ from typing import Any
 from ._keys import escape_key
 from ._layout import (
     COUNTER_FIELDS,
+    EFF_FIELD,
     ENTRY_FLOOR,
     PAUSE_FIELD,
     PENDING,
     RATE_FIELD,
+    SEEN_FIELD,
     STARTS,
     WINDOW_META,
     KeyName,
+    effective,
     log_entries,
     parse_key,
     parse_override,
+    parse_seen,
     prefix_glob,
     settings_logical_key,
 )
@@ -208,6 +212,24 @@ class KeySettings:
     paused_for: float = 0.0
     override: Rate | None = None
     override_for: float | None = None
+    #: what the upstream said of each limit of the key (``Limiter.observe``)
+    seen: tuple[Seen, ...] = ()
+    #: (algorithm, window_us, effective limit) of each adapting limit cut since it was
+    #: last back to its declared rate (``Limit(adapt=True)``)
+    effective: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What an upstream said of one limit (its algorithm and window) of a key: units
+    ``remaining`` for ``reset_in`` more seconds (0 and 0.0: its reset has passed), and the
+    ``quota`` it stated, in force (0: none)."""
+
+    algorithm: str
+    window_us: int
+    remaining: int
+    reset_in: float
+    quota: int
 
 
 def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings]:
@@ -218,23 +240,44 @@ def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings
         now = server_now_us(client)
         for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
             name = _text(raw)
-            until, rate = client.hmget(name, PAUSE_FIELD, RATE_FIELD)
-            paused_for = max(float(until or 0) - now, 0) / 1_000_000
-            override = parse_override(rate, now)
-            if not paused_for and override is None:
+            fields = {_text(f): v for f, v in client.hgetall(name).items()}
+            paused_for = max(float(fields.get(PAUSE_FIELD) or 0) - now, 0) / 1_000_000
+            override = parse_override(fields.get(RATE_FIELD), now)
+            seen = tuple(
+                said
+                for field, value in sorted(fields.items())
+                if field.startswith(SEEN_FIELD) and (said := _seen(field, value, now))
+            )
+            rates = tuple(
+                (algorithm, int(window), effective(value, int(window), now))
+                for field, value in sorted(fields.items())
+                if field.startswith(EFF_FIELD)
+                for algorithm, _, window in [field[len(EFF_FIELD) :].partition(":")]
+            )
+            if not paused_for and override is None and not seen and not rates:
                 continue
             key = settings_logical_key(limiter.prefix, name)
             if match is not None and not fnmatchcase(key, match):
                 continue
-            row = KeySettings(key, paused_for)
+            row = KeySettings(key, paused_for, seen=seen, effective=rates)
             if override is not None:
                 limit, window_us, ends = override
                 left = (ends - now) / 1_000_000 if ends else None
-                row = KeySettings(key, paused_for, Rate(limit, window_us), left)
+                row = KeySettings(key, paused_for, Rate(limit, window_us), left, seen, rates)
             found.append(row)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "a status read") from exc
     return sorted(found, key=lambda row: row.key)
+
+
+def _seen(field: str, value: bytes | str, now: int) -> Seen | None:
+    """What the settings hash ``field`` of a limit holds at ``now`` (None: nothing)."""
+    said = parse_seen(value, now)
+    if said is None:
+        return None
+    algorithm, _, window = field[len(SEEN_FIELD) :].partition(":")
+    remaining, reset, quota = said
+    return Seen(algorithm, int(window), remaining, max(reset - now, 0) / 1_000_000, quota)
 
 
 def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
@@ -388,6 +431,18 @@ def format_settings(rows: Sequence[KeySettings]) -> list[str]:
             left = row.override_for
             until = "until unset" if left is None else f"ends {in_seconds(left)}"
             lines.append(f"override {row.key}: {row.override} ({until})")
+        for seen in row.seen:
+            what = f"upstream {row.key} ({seen.algorithm} {_window(seen.window_us)}):"
+            if seen.reset_in:
+                what += f" {seen.remaining} left, full again {in_seconds(seen.reset_in)}"
+            if seen.quota:
+                what += f"{',' if seen.reset_in else ''} quota {seen.quota}"
+            lines.append(what)
+        for algorithm, window_us, limit in row.effective:
+            lines.append(
+                f"adapting {row.key} ({algorithm} {_window(window_us)}): effective "
+                f"{Rate(limit, window_us)} (the declared rate when lower)"
+            )
     return lines
 
 

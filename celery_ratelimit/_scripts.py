@@ -34,6 +34,7 @@ NAMES = (
     "renew",
     "pause",
     "override",
+    "observe",
     "park",
 )
 _INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)

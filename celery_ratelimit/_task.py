@@ -45,6 +45,7 @@ from ._exceptions import (
     LimiterMisconfigured,
     LimiterUnavailable,
 )
+from ._headers import Observation
 from ._keys import escape_key, logical_key
 from ._limit import Concurrency, describe, to_limits
 from ._plan import check_key_fields, plan_for
@@ -176,7 +177,10 @@ def after_upstream(
     check = Check(task, plan, tuple(args), kwargs)
     keys = [_tagged(escape_key(exc.key), check.keys)] if exc.key else list(check.keys)
     try:
-        check.limiter.pause_keys(keys, exc.seconds)
+        if exc.key:
+            check.limiter.pause_keys(keys, exc.seconds)
+        else:  # the pause and, for adapt=True limits, a cut of the rate: one call
+            check.limiter.observed(keys, Observation(exc.seconds), check.limits)
     except (LimiterUnavailable, LimiterMisconfigured) as error:
         logger.warning(
             "ratelimit: %s[%s]: could not pause %s (%s); deferring the task only",

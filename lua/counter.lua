@@ -23,7 +23,7 @@ local TTL_MARGIN_MS = 1000
 
 local c = read_call(KEYS, ARGV, false)
 local now, write = c.now, c.flag ~= 'peek'
-local gate, gate_by = read_settings(c)
+local gate, gate_by = read_settings(c, true)
 local cals = {}
 local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
 if lib then
@@ -91,4 +91,5 @@ for i, spec in ipairs(c.logs) do
   if remaining == nil or free < remaining then remaining = free end
 end
 if lib then lib.commit(c, cals, 1, now) end
+seen_take(c, now)
 return reply(1, now, 0, 0, now, {}, lib, cals, c.concs, {remaining, reset})

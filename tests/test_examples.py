@@ -94,6 +94,22 @@ def test_erp_sync_holds_one_session_per_tenant_and_honours_the_erps_429s(
     assert "result: the ERP's limits held" in out
 
 
+def test_llm_budget_follows_what_the_llm_reports(
+    servers: tuple[RedisServer, RedisServer],
+) -> None:
+    from tests.redis_server import free_port
+
+    env = env_for(*servers, LLM_PORT=str(free_port()), LLM_PROMPTS="40")
+    with workers("examples.llm_budget", env, count=2):
+        result = run(sys.executable, "-m", "examples.llm_budget", "produce", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "prompts answered                 40 of 40" in out
+    assert "answered twice                   0" in out
+    assert re.search(r"429s answered\s+\d+", out)
+    assert "result: every prompt answered once" in out
+
+
 def test_existing_project_gets_rules_without_touching_its_tasks(
     servers: tuple[RedisServer, RedisServer],
 ) -> None:

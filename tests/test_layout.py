@@ -12,11 +12,14 @@ from celery_ratelimit._cli import run_set
 from celery_ratelimit._keys import logical_key, render
 from celery_ratelimit._layout import (
     COUNTER_FIELDS,
+    EFF_FIELD,
     ENTRY_FLOOR,
     META_MEMBERS,
     PAUSE_FIELD,
     RATE_FIELD,
+    SEEN_FIELD,
     TOKEN_LEN,
+    UP_FIELD,
     WINDOW_META,
     KeyName,
     keys_of,
@@ -57,8 +60,11 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     status = key_status(limiter.client, name, now)
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
-    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}')"
+    settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
     assert settings in source("acquire")
+    assert f"'{UP_FIELD}', 1)" in source("observe")
+    assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source("acquire")
+    assert f"'{EFF_FIELD}' .. string.match" in source("observe")
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,8 @@ CONTRACT = {
     "UpstreamRateLimited",
     "AsyncLimiter",
     "settle",
+    # Contract additions (0.3)
+    "observe",
 }
 
 
@@ -40,6 +42,7 @@ def test_contract_additions_have_their_methods() -> None:
         "override",
         "reset",
         "settle",
+        "observe",
     ):
         assert callable(getattr(Limiter, name))
         assert inspect.iscoroutinefunction(getattr(AsyncLimiter, name)), name

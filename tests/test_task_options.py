@@ -15,6 +15,7 @@ import pytest
 from celery import Celery, shared_task
 from celery.app.task import Context
 
+import celery_ratelimit
 from celery_ratelimit import (
     InvalidLimit,
     InvalidRate,
@@ -425,3 +426,19 @@ def test_an_aligned_limit_reaches_the_task_through_each_form(app: Celery) -> Non
         ratelimit("10/s", align="UTC")
     with pytest.raises(TypeError, match="align"):
         ratelimit(quota, align="UTC")
+
+
+def test_observe_in_an_eager_body_writes_nothing_and_outside_a_body_is_refused(
+    app: Celery,
+) -> None:
+    app.conf.task_always_eager = True
+
+    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False)
+    def job() -> bool:
+        return celery_ratelimit.observe({"Retry-After": "5"})
+
+    app.finalize()
+    # the limiter's Redis URL points at a closed port: eager mode never calls it
+    assert job.delay().get() is False
+    with pytest.raises(RuntimeError, match="task's body"):
+        celery_ratelimit.observe({"Retry-After": "5"})

@@ -72,6 +72,40 @@ local function read_call(keys, argv, pending)
   return c
 end
 
+-- The fields of a limit's settings hash that hold what the upstream said of it (see
+-- lua/observe.lua) and its effective rate (Limit(adapt=True), lib/settings.lua's
+-- settings_cut): "seen:" and "eff:" .. the algorithm and window its key ends with.
+local function settings_fields(spec)
+  local limit = string.match(spec.key, '([^:]+:%d+)$')
+  return 'seen:' .. limit, 'eff:' .. limit
+end
+
+-- What an upstream said of the limit `spec` (index i, settings hash `key`): see
+-- read_settings. Returns the gate and its index as they now are.
+local function read_seen(c, spec, key, i, observed, gate, by)
+  local seen, eff = settings_fields(spec)
+  local said = redis.call('HMGET', key, seen, eff)
+  if said[2] then
+    local e, cut, step = string.match(said[2], '^(%d+) (%d+) (%d+)$')
+    if e then
+      local most = tonumber(e) + math.floor((c.now - tonumber(cut)) / spec.window) * tonumber(step)
+      if most < spec.limit then spec.limit = math.max(most, spec.cost) end
+    end
+  end
+  local r, t, l, lu = string.match(said[1] or '', '^(%d+) (%d+) (%d+) (%d+)$')
+  if r then
+    r, t, l, lu = tonumber(r), tonumber(t), tonumber(l), tonumber(lu)
+    if l > 0 and lu > c.now and l < spec.limit then spec.limit = math.max(l, spec.cost) end
+    if observed and t > c.now then
+      spec.seen = {key = key, field = seen, r = r, t = t, l = l, lu = lu}
+      c.seen = c.seen or {}
+      c.seen[#c.seen + 1] = spec
+      if r < spec.cost and t > gate then gate, by = t, i end
+    end
+  end
+  return gate, by
+end
+
 -- Read the settings hashes of the call's keys: returns the earliest instant the call
 -- may start at as far as a pause of any of them says (now if none) and the index of a
 -- pause in replies (0: none); and puts each rate override in force into the limit it
@@ -79,13 +113,21 @@ end
 -- limit of its key in the call. An aligned limit takes only an override of its own
 -- window (its windows are the calendar's). A cost above the new limit counts as the
 -- whole limit: the call runs alone in its window rather than never.
-local function read_settings(c)
+-- What an upstream said of a limit (its "seen:" field, "r t l lu") applies too: a limit
+-- of l units observed lowers the limit to l until lu; and with `observed`, r units left
+-- until t hold the call back until t when its cost does not fit them (that limit's
+-- index in replies), the limit being put in c.seen for seen_take. An effective rate
+-- ("eff:" field, "e cut step": e units a window at the instant cut, step more for each
+-- whole window since) lowers the limit while below it. Those two fields are read only
+-- from a hash whose "up" field says an upstream was observed on the key: a key nothing
+-- was observed on pays one field more.
+local function read_settings(c, observed)
   local gate, by, n = c.now, 0, #c.logs
   for i, key in ipairs(c.settings) do
-    local s = redis.call('HMGET', key, 'pause', 'rate')
+    local spec = i <= n and c.logs[i] or c.cals[i - n]
+    local s = redis.call('HMGET', key, 'pause', 'rate', 'up')
     local until_us = tonumber(s[1] or 0)
     if until_us > gate then gate, by = until_us, c.paused_by end
-    local spec = i <= n and c.logs[i] or c.cals[i - n]
     if s[2] and spec then
       local l, w, u = string.match(s[2], '^(%d+) (%d+) (%d+)$')
       if l and (tonumber(u) == 0 or tonumber(u) > c.now) then
@@ -99,6 +141,20 @@ local function read_settings(c)
         end
       end
     end
+    if s[3] and spec then gate, by = read_seen(c, spec, key, i, observed, gate, by) end
   end
   return gate, by
+end
+
+-- Take the call's cost from what the upstream said is left of each limit in c.seen
+-- (read_settings), when the instant `at` the call counts at comes before its reset.
+local function seen_take(c, at)
+  if not c.seen then return end
+  for _, spec in ipairs(c.seen) do
+    local b = spec.seen
+    if at < b.t then
+      b.r = math.max(b.r - spec.cost, 0)
+      redis.call('HSET', b.key, b.field, string.format('%.0f %.0f %.0f %.0f', b.r, b.t, b.l, b.lu))
+    end
+  end
 end

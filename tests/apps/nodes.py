@@ -14,6 +14,8 @@ import datetime
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import redis
@@ -25,6 +27,7 @@ from celery_ratelimit import (
     RateLimitedTask,
     UpstreamRateLimited,
     install,
+    observe,
     ratelimit,
     settle,
 )
@@ -342,6 +345,32 @@ def calls_upstream(self: Any, i: int, pause: float) -> int:
     assert _client is not None
     if i == 0 and _client.set(f"{PREFIX}:429", now, nx=True):
         raise UpstreamRateLimited(str(int(pause)))
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("20/s", key="adapting", adapt=True), bind=True)
+def adapts_upstream(self: Any, i: int) -> int:
+    """Task 0's first run is answered 429 (Retry-After: 1): the key's rate is cut."""
+    now = record(self, i=i)
+    assert _client is not None
+    if i == 0 and _client.set(f"{PREFIX}:429", now, nx=True):
+        raise UpstreamRateLimited("1")
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="http:{family}"), bind=True)
+def calls_http(self: Any, family: str, i: int, url: str) -> int:
+    """Call a real HTTP upstream (tests/upstream.py) and observe its headers; a 429 is
+    observed too (its Retry-After pauses the key) and raised as UpstreamRateLimited."""
+    record(self, i=i, family=family)
+    try:
+        with urllib.request.urlopen(f"{url}?task={self.request.id}", timeout=10) as answer:
+            observe(answer.headers)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 429:
+            raise
+        observe(exc.headers)
+        raise UpstreamRateLimited(exc.headers.get("Retry-After")) from None
     return i
 
 

@@ -1,0 +1,40 @@
+-- lib/settings.lua — writes to a key's settings hash besides an override: a pause, a
+-- cut of an effective rate, and keeping the hash as long as what it holds.
+
+-- Keep the settings hash `key` at least until `till` (µs; for good once persisted by a
+-- lasting override).
+local function settings_keep(key, now, till)
+  local ttl = redis.call('PTTL', key)
+  local need = math.ceil((till - now) / 1000) + 1000
+  if ttl ~= -1 and ttl < need then redis.call('PEXPIRE', key, need) end
+end
+
+-- Pause `key` for `us` µs from now (a later end already there wins); returns its end.
+local function settings_pause(key, now, us)
+  local till = math.max(now + us, tonumber(redis.call('HGET', key, 'pause') or 0))
+  redis.call('HSET', key, 'pause', till)
+  settings_keep(key, now, till)
+  return till
+end
+
+-- Halve the effective rate of a limit of `limit` units per `window` µs (Limit(adapt=True))
+-- kept in the field `field` of `settings`: "e cut step", e units at the instant cut,
+-- `step` more for each whole window since, up to `limit` (lib/call.lua reads it). At
+-- most one cut a window (the answers of one burst are one signal), never below 1.
+-- Returns the effective limit.
+local function settings_cut(settings, field, now, limit, window, step)
+  local eff, cut = limit, 0
+  local old = redis.call('HGET', settings, field)
+  if old then
+    local e, at = string.match(old, '^(%d+) (%d+)')
+    if e then
+      cut = tonumber(at)
+      eff = math.min(limit, tonumber(e) + math.floor((now - cut) / window) * step)
+    end
+  end
+  if now - cut < window then return eff end
+  eff = math.max(math.floor(eff / 2), 1)
+  redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f', eff, now, step), 'up', 1)
+  settings_keep(settings, now, now + math.ceil((limit - eff) / step) * window)
+  return eff
+end
