@@ -25,7 +25,8 @@ The log (``algorithm="log"``), a sorted set
     ``"." + weight`` when the weight is not 1; score = its instant, µs of Redis time.
     Meta members score below :data:`ENTRY_FLOOR`: ``""`` the running total weight,
     ``"+"`` minus the newest entry's instant, ``"="`` the weight every entry has (0 once
-    mixed), ``"~"`` minus the instant the key's ``PEXPIRE`` runs out.
+    mixed), ``"~"`` minus the instant the key's ``PEXPIRE`` runs out; a paced limit
+    (``burst=``) adds :data:`PACE_MEMBER`, minus its pace's theoretical arrival time.
 
 A calendar-aligned limit (``align=``, ``lua/calendar.lua``), a sorted set
     ``{prefix}:{tag}:rest:cal:{window_us}``: entries as the log's (score = the instant
@@ -35,7 +36,8 @@ A calendar-aligned limit (``align=``, ``lua/calendar.lua``), a sorted set
 
 The counter (``algorithm="counter"``), a hash
     ``w`` the current fixed window's number (instant // window), ``c`` its count, ``p``
-    the previous window's count.
+    the previous window's count; a paced limit adds :data:`PACE_FIELD`, its pace's
+    theoretical arrival time (µs).
 
 A concurrency limit (``lua/lib/concurrency.lua``), three sorted sets
     holders: token -> when its lease runs out (µs), and the meta member ``""`` = the
@@ -61,6 +63,10 @@ TOKEN_LEN = 8
 META_MEMBERS = ("", "+", "=", "~")
 #: The counter's hash fields: window number, its count, the previous window's count.
 COUNTER_FIELDS = ("w", "c", "p")
+#: A paced limit's theoretical arrival time (µs, ``lua/lib/pace.lua``): the log's meta
+#: member (scored minus it), and the counter's hash field.
+PACE_MEMBER = "^"
+PACE_FIELD = "t"
 #: Suffix of a log key's pending set, and of a concurrency limit's waiters.
 PENDING = ":r"
 #: Suffix of a concurrency limit's starts.
@@ -262,6 +268,16 @@ def parse_override(value: bytes | str | None, now: int) -> tuple[int, int, int] 
     text = value.decode() if isinstance(value, bytes) else value
     limit, window_us, until = (int(part) for part in text.split())
     return (limit, window_us, until) if until == 0 or until > now else None
+
+
+def pace_due(client: Any, name: KeyName) -> int | None:
+    """The theoretical arrival time (µs) of the pace kept in the limit ``name``'s key,
+    None when it keeps none (not paced, or no call counted while it was)."""
+    if name.algorithm == "counter":
+        value = client.hget(name.redis_key, PACE_FIELD)
+        return int(value) if value is not None else None
+    score = client.zscore(name.redis_key, PACE_MEMBER)
+    return -int(score) if score is not None else None
 
 
 def log_total(client: Any, key: str) -> int:

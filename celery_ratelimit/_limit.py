@@ -104,11 +104,16 @@ class Limit:
             window and never below one call per window; each window without one gives
             back a tenth of the declared rate, up to it. The effective rate lives in
             Redis, shared by every worker, and is read by the same call that decides.
+        burst: pace the calls evenly (a sliding limit only): at most ``burst`` cost
+            units at once, then no faster than one unit per W/L (GCRA), besides at
+            most L in any window; a backlog's reserved slots come one W/L apart. None
+            (default): the window alone, so the whole limit may start at once.
 
     Raises:
         InvalidRate: ``rate`` cannot be parsed.
         InvalidLimit: a bad template, algorithm, policy, zone, a cost above the limit,
-            or an aligned rate that is not per day, hour or minute.
+            an aligned rate that is not per day, hour or minute, or a burst that is not
+            a positive int at most the limit (or is given with ``align``).
         TypeError: a cost that is not an int (or is a bool), a key of the wrong type.
 
     Example::
@@ -124,6 +129,7 @@ class Limit:
     name: str | None
     align: str | None
     adapt: bool
+    burst: int | None
     fields: tuple[str, ...] = field(repr=False, compare=False)
 
     def __init__(
@@ -137,6 +143,7 @@ class Limit:
         name: str | None = None,
         align: str | None = None,
         adapt: bool = False,
+        burst: int | None = None,
     ) -> None:
         if not isinstance(adapt, bool):
             raise TypeError(f"Limit adapt must be True or False, got {adapt!r}")
@@ -144,6 +151,7 @@ class Limit:
         set_(self, "rate", rate if callable(rate) else Rate.parse(rate))
         set_(self, "align", align)
         set_(self, "adapt", adapt)
+        set_(self, "burst", burst)
         set_(self, "key", key)
         set_(self, "cost", cost)
         set_(self, "algorithm", algorithm)
@@ -176,6 +184,7 @@ class Limit:
             self.name,
             self.align,
             self.adapt,
+            self.burst,
         )
 
     @property
@@ -212,8 +221,25 @@ class Limit:
             zone_of(self.align)
             if isinstance(self.rate, Rate):
                 check_window(self.rate.window_us, self.rate)
+        if self.burst is not None:
+            self._check_burst()
         with contextlib.suppress(TypeError):  # an unhashable callable key or cost:
             self.__dict__["_hash"] = hash(self._identity())  # hashing it raises, as ever
+
+    def _check_burst(self) -> None:
+        burst = self.burst
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise InvalidLimit(f"Limit burst must be a positive int or None, got {burst!r}")
+        if isinstance(self.rate, Rate) and burst > self.rate.limit:
+            raise InvalidLimit(
+                f"Limit burst {burst} is greater than the limit of {self.rate}: "
+                "a window never lets more than its limit start at once"
+            )
+        if self.align is not None:
+            raise InvalidLimit(
+                f"Limit burst={burst} with align={self.align!r}: a calendar quota is not "
+                "paced; give the burst to a sliding Limit stacked with it"
+            )
 
     @property
     def label(self) -> str:
@@ -255,6 +281,7 @@ class Limit:
             name=self.name,
             align=self.align,
             adapt=self.adapt,
+            burst=self.burst,
         )
 
 

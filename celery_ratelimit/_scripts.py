@@ -186,13 +186,26 @@ class Shape:
                 numbers += (slot.n, _us(slot.lease or self.lease or DEFAULT_LEASE))
         return tuple(numbers)
 
-    def arguments(self) -> list[int]:
+    @cached_property
+    def paces(self) -> tuple[int | str, ...]:
+        """``"pace"`` and the burst of every sliding limit (0: none) when any is paced
+        (``Limit(burst=...)``, see ``lua/lib/pace.lua``); nothing when none is, so an
+        unpaced call sends what it always did."""
+        bursts = [
+            limit.burst or 0
+            for limit in self.limits
+            if not isinstance(limit, Concurrency) and limit.align is None
+        ]
+        return ("pace", *bursts) if any(bursts) else ()
+
+    def arguments(self) -> list[int | str]:
         """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
-        machine's clock now, and :attr:`leases`."""
-        every = list(self.args)
+        machine's clock now, :attr:`leases` and :attr:`paces`."""
+        every: list[int | str] = list(self.args)
         for window, zone in self.aligned:
             every += boundaries(window, zone)
         every += self.leases
+        every += self.paces
         return every
 
 

@@ -11,10 +11,14 @@
 -- A call that does not fit counting every entry still starts now when it fits counting
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
 -- start confirmed late would take that room too.
+--
+-- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
+-- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
 --- @include "lib/log_search.lua"
+--- @include "lib/pace.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
@@ -22,7 +26,10 @@ local c = read_call(KEYS, ARGV, true)
 local now, write = c.now, c.flag ~= 'peek'
 local gate, gate_by = read_settings(c, true)
 local ks, cals, firm = {}, {}, true
-for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
+for i, spec in ipairs(c.logs) do
+  ks[i] = log_open(spec, c.token, now, c.guard, write)
+  ks[i].pace = pace_open(spec, false)
+end
 local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
 if lib then
   cals = lib.open_cals(c, write, false)
@@ -33,7 +40,10 @@ local function answer(status, at, retry_after, denied_by)
   if write then
     for _, k in ipairs(ks) do log_flush(k) end
     if lib then lib.commit(c, cals, status, at) end
-    if status == 1 or status == 2 or status == 6 then seen_take(c, at) end
+    if status == 1 or status == 2 or status == 6 then
+      seen_take(c, at)
+      for _, k in ipairs(ks) do pace_take(k.pace, k.cost, at) end
+    end
   end
   return reply(status, at, retry_after, denied_by, now, ks, lib, cals, c.concs)
 end
@@ -41,7 +51,7 @@ end
 if gate == now then
   local fits = true
   for _, k in ipairs(ks) do
-    if k.total + k.cost > k.limit
+    if pace_at(k.pace, k.cost, now) > now or k.total + k.cost > k.limit
       and (log_abandoned(k, now) == 0 or log_start_in(k, now, now, c.hold) > now) then
       fits = false
       break
@@ -62,6 +72,8 @@ for i, k in ipairs(ks) do
     local s = log_free_at(k, excess, now)
     if s > at then at, denied_by = s, i end
   end
+  local s = pace_at(k.pace, k.cost, now)
+  if s > at then at, denied_by = s, i end
 end
 if gate > at then at, denied_by = gate, gate_by end
 if #cals > 0 then

@@ -14,8 +14,11 @@
 -- A call fits when estimate + cost <= limit. retry_after solves that for the earliest
 -- instant, assuming no other traffic meanwhile: later in this window if c + cost fits
 -- (the p term shrinks linearly), else in the next window, where c becomes p.
+-- A paced limit (lib/pace.lua) keeps its pace in the same hash (field t): a call
+-- waits for it too.
 
 --- @include "lib/call.lua"
+--- @include "lib/pace.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
@@ -60,12 +63,15 @@ for i, spec in ipairs(c.logs) do
     end
     if fits > at then at, denied_by = fits, i end
   end
+  local pace = pace_open(spec, true)
+  local paced = pace_at(pace, cost, now)
+  if paced > at then at, denied_by = paced, i end
   local free = math.floor(limit - estimate)
   if remaining == nil or free < remaining then remaining = free end
   local r = 0
   if cur > 0 then r = (wid + 2) * window - now elseif prev > 0 then r = (wid + 1) * window - now end
   if r > reset then reset = r end
-  counters[i] = {wid = wid, cur = cur, prev = prev}
+  counters[i] = {wid = wid, cur = cur, prev = prev, pace = pace}
 end
 if gate > at then at, denied_by = gate, gate_by end
 if #cals > 0 then
@@ -83,6 +89,7 @@ for i, spec in ipairs(c.logs) do
   local n, window = counters[i], spec.window
   local cur = n.cur + spec.cost
   redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev)
+  pace_take(n.pace, spec.cost, now)
   redis.call('PEXPIRE', spec.key, math.ceil(2 * window / 1000) + TTL_MARGIN_MS)
   local r = (n.wid + 2) * window - now
   if r > reset then reset = r end

@@ -15,6 +15,8 @@ from celery_ratelimit._layout import (
     EFF_FIELD,
     ENTRY_FLOOR,
     META_MEMBERS,
+    PACE_FIELD,
+    PACE_MEMBER,
     PAUSE_FIELD,
     RATE_FIELD,
     SEEN_FIELD,
@@ -47,6 +49,8 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
     assert f"return '{WINDOW_META}' .. string.format" in source("acquire")
+    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire")
+    assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:

@@ -19,8 +19,9 @@
 --      (status 6) and the caller waits for it in-process; 0: never
 --   then (limit, window µs, cost) of each sliding limit and of each aligned limit, the
 --   six window boundaries (µs) of each aligned limit (see lib/calendar.lua), and
---   (most, lease µs) of each concurrency limit; a settle adds, last, the weight each
---   rate limit counted the call at.
+--   (most, lease µs) of each concurrency limit; when a sliding limit is paced, the
+--   word "pace" and the burst of each sliding limit (0: not paced, see lib/pace.lua);
+--   a settle adds, last, the weight each rate limit counted the call at.
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers:
 --   status       0 denied, 1 allowed now, 2 reserved for `at`, 3 the reservation is
@@ -65,6 +66,13 @@ local function read_call(keys, argv, pending)
     c.concs[j] = {h = keys[k], s = keys[k + 1], w = keys[k + 2], most = tonumber(argv[a]),
       lease = tonumber(argv[a + 1]), free = 0}
     k, a = k + 3, a + 2
+  end
+  if argv[a] == 'pace' then
+    for i = 1, n do
+      local burst = tonumber(argv[a + i])
+      if burst > 0 then c.logs[i].burst = burst end
+    end
+    a = a + n + 1
   end
   for i = k, #keys do c.settings[#c.settings + 1] = keys[i] end
   c.rest = a  -- the first ARGV after the call's numbers
