@@ -27,16 +27,18 @@ def ratelimit(
     algorithm: str = "log",
     align: str | None = None,
     adapt: bool = False,
+    burst: int | None = None,
     **options: Any,
 ) -> Callable[[T], T]:
     """Decorate a Celery task (placed above ``@app.task`` or ``@shared_task``).
 
     Args:
         rate: a rate string or a rate function (then ``key``, ``cost``,
-            ``algorithm`` and ``align`` build the :class:`Limit`), a :class:`Limit`, a
-            :class:`Concurrency`, or a list of them (checked all or nothing).
-        key, cost, algorithm, align: as for :class:`Limit`, when ``rate`` is a string
-            or function.
+            ``algorithm``, ``align``, ``adapt`` and ``burst`` build the :class:`Limit`), a
+            :class:`Limit`, a :class:`Concurrency`, or a list of them (checked all or
+            nothing).
+        key, cost, algorithm, align, adapt, burst: as for :class:`Limit`, when ``rate``
+            is a string or function.
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).
 
@@ -54,13 +56,22 @@ def ratelimit(
     """
     if isinstance(rate, str) or (callable(rate) and not isinstance(rate, (Limit, Concurrency))):
         limits = to_limits(
-            Limit(rate, key=key, cost=cost, algorithm=algorithm, align=align, adapt=adapt)  # type: ignore[arg-type]
+            Limit(
+                rate,
+                key=key,
+                cost=cost,
+                algorithm=algorithm,  # type: ignore[arg-type]
+                align=align,
+                adapt=adapt,
+                burst=burst,
+            )
         )
     else:
-        if key is not None or cost != 1 or algorithm != "log" or align is not None or adapt:
+        given = (key, cost != 1, algorithm != "log", align, adapt, burst)
+        if any(value not in (None, False) for value in given):
             raise TypeError(
-                "key, cost, algorithm, align and adapt apply to a rate string; put them in "
-                "the Limit"
+                "key, cost, algorithm, align, adapt and burst apply to a rate string; put "
+                "them in the Limit"
             )
         limits = to_limits(rate)
     attributes: dict[str, Any] = {"ratelimit": limits}

@@ -24,6 +24,7 @@ from ._ops import (
     key_settings,
     key_status,
     limiter_for_app,
+    pace_in,
     server_now_us,
     task_limits,
 )
@@ -113,6 +114,7 @@ def explain(
             state.limit = limit
             one = limiter.peek((), (limit,), cost, guard=guard_for_app(app), redis_keys=[redis_key])
             state.remaining, state.next_free = one.remaining, one.retry_after
+            state.pace_in = pace_in(limiter.client, name, limit, now, None)
             result.limits.append(LimitExplanation(limit, logical_key(key), redis_key, cost, state))
         result.decision = limiter.peek(
             (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
@@ -175,6 +177,13 @@ def format_explanation(
             f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
             f" this cost fits {in_seconds(s.next_free or 0.0)}",
         ]
+        if s.pace_in is not None:
+            rate = item.limit.fixed_rate
+            lines.append(
+                f"     pace       burst {getattr(item.limit, 'burst', None)}, then one unit "
+                f"every {rate.window_us / rate.limit / 1e6:g}s; the next unit conforms "
+                f"{in_seconds(s.pace_in)}"
+            )
     d = e.decision
     if d is None:
         return lines

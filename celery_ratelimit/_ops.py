@@ -33,6 +33,7 @@ from ._layout import (
     KeyName,
     effective,
     log_entries,
+    pace_due,
     parse_key,
     parse_override,
     parse_seen,
@@ -133,6 +134,8 @@ class KeyStatus:
     and ``reservations`` their number. With a known ``limit``: ``remaining`` (counting
     reservations) and ``next_free`` (seconds until a call of cost 1 fits, from a peek);
     ``override``: the key's rate override of this window, in force (``Limiter.override``).
+    ``pace_in``: for a paced limit (``burst=``), seconds until one more unit conforms to
+    its pace (0: now), from the pace the key keeps.
     """
 
     name: KeyName
@@ -146,6 +149,23 @@ class KeyStatus:
     oldest_leaves: float | None = None
     ttl: float | None = None
     override: Rate | None = None
+    pace_in: float | None = None
+
+
+def pace_in(
+    client: Any, name: KeyName, limit: AnyLimit, now: int, rate: Rate | None
+) -> float | None:
+    """Seconds until a unit more conforms to the pace of ``limit`` (at its ``rate``, an
+    override, when given) kept in the key ``name``; None when it is not paced."""
+    if not isinstance(limit, Limit) or limit.burst is None:
+        return None
+    rate = rate or limit.fixed_rate
+    tat = pace_due(client, name)
+    if tat is None:
+        return 0.0
+    interval = -(-rate.window_us // rate.limit)
+    due = tat - (min(limit.burst, rate.limit) - 1) * interval
+    return max(due - now, 0) / 1_000_000
 
 
 def server_now_us(client: Any) -> int:
@@ -340,6 +360,7 @@ def status(
                 decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
                 row.remaining = decision.remaining
                 row.next_free = decision.retry_after
+                row.pace_in = pace_in(client, name, row.limit, now, row.override)
             result.append(row)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "a status read") from exc
@@ -388,6 +409,8 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
             label = f"{row.limit.label} ({', '.join(row.sources)})"
             if row.override:
                 label += f"; overridden: {row.override}"
+            if row.pace_in is not None and isinstance(row.limit, Limit):
+                label += f"; paced, burst {row.limit.burst}: next unit {in_seconds(row.pace_in)}"
         else:
             used = f"{row.used}"
             remaining = "?"
@@ -456,5 +479,6 @@ __all__ = [
     "key_settings",
     "key_status",
     "known_limits",
+    "pace_in",
     "status",
 ]

@@ -1,0 +1,169 @@
+"""Even pacing (``Limit(rate, burst=N)``): the scripts against a pure-Python model of a
+GCRA pace beside the sliding window, declaration errors, and the pace's reads.
+
+As in ``test_limiter_properties``, Redis time cannot be steered: the model is fed the
+server's own instants (``Decision.at``; ``at - retry_after`` for a reservation)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_ratelimit import InvalidLimit, Limit, Limiter, ratelimit
+from celery_ratelimit._layout import PACE_FIELD, PACE_MEMBER, parse_key
+from celery_ratelimit._ops import key_status, pace_in
+from tests.log_reader import max_in_window, us, weight_after
+from tests.test_limiter_properties import against_redis, uses_abandoned_room
+
+LIMIT, WINDOW_US = 6, 120_000
+INTERVAL = WINDOW_US // LIMIT  # 20 ms: the emission interval, ceil(W / L)
+_examples = itertools.count()
+
+
+def earliest_window_fit(log: list[tuple[int, int]], now: int, cost: int) -> int:
+    """The window's model: the earliest s >= now at which the weight of the entries
+    later than s - W, plus cost, is at most the limit."""
+    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
+        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
+            return s
+    raise AssertionError("the model found no instant")  # pragma: no cover
+
+
+def pace_fit(tat: int, now: int, cost: int, burst: int) -> int:
+    """The pace's model (GCRA): a call of ``cost`` conforms from tat - (burst - cost) T
+    on (a cost above the burst: once the pace has caught up)."""
+    return max(now, tat - max(burst - cost, 0) * INTERVAL)
+
+
+operation = st.tuples(
+    st.integers(1, LIMIT),  # cost
+    st.integers(0, 40),  # milliseconds to wait before the call
+    st.booleans(),  # reserve when denied
+)
+
+
+@against_redis
+@given(burst=st.integers(1, LIMIT), ops=st.lists(operation, min_size=1, max_size=14))
+def test_a_paced_log_decides_like_the_window_and_gcra_model(
+    limiter: Limiter, redis_client: redis.Redis, burst: int, ops: list[tuple[int, int, bool]]
+) -> None:
+    """Weighted calls, some reserving: every grant, reservation and retry_after is the
+    later of the window's and the pace's earliest instant, exactly."""
+    name = f"paced-{next(_examples)}"
+    rate = Limit(f"{LIMIT}/120ms", burst=burst)
+    log: list[tuple[int, int]] = []
+    grants: list[tuple[int, int]] = []
+    slots: list[tuple[int, int]] = []
+    tat = 0
+    for cost, wait_ms, reserve in ops:
+        time.sleep(wait_ms / 1000)
+        d = limiter.acquire(name, rate, cost=cost, reserve=reserve)
+        if d.allowed:
+            at = now = us(d.at)
+            assert pace_fit(tat, now, cost, burst) == now
+            if earliest_window_fit(log, now, cost) != now:
+                # the room of a slot whose task never came: it fits among what started
+                assert uses_abandoned_room(grants, slots, now, cost), (log, now, cost)
+            grants.append((at, cost))
+        else:
+            at = us(d.at)
+            now = at - us(d.retry_after) if d.reserved else at
+            expected = max(earliest_window_fit(log, now, cost), pace_fit(tat, now, cost, burst))
+            if d.reserved:
+                assert at == expected > now
+                slots.append((at, cost))
+            else:
+                assert not reserve
+                assert now + us(d.retry_after) == expected > now
+                continue
+        log.append((at, cost))
+        tat = max(tat, at) + cost * INTERVAL
+    # the grants and slots together: never more than the burst plus the pace allows
+    placed = sorted(log)
+    for i, (first, _) in enumerate(placed):
+        for last, _ in placed[i:]:
+            units = sum(w for t, w in placed if first <= t <= last)
+            heaviest = max(w for t, w in placed if first <= t <= last)
+            assert units <= max(burst, heaviest) + (last - first) // INTERVAL
+    assert max_in_window(grants, WINDOW_US) <= LIMIT
+
+
+def test_a_paced_counter_waits_for_its_pace(limiter: Limiter) -> None:
+    rate = Limit("20/2s", burst=2, algorithm="counter")
+    first, second, third = (limiter.acquire("counted", rate) for _ in range(3))
+    assert first.allowed and second.allowed and not third.allowed
+    # the third unit conforms one interval (100 ms) after the first
+    assert 0 < third.retry_after <= 0.1
+    assert us(first.at) + 100_000 - us(third.at) == us(third.retry_after)
+
+
+def test_a_backlog_of_reservations_is_paced_one_interval_apart(limiter: Limiter) -> None:
+    rate = Limit("20/2s", burst=3)
+    decisions = [limiter.acquire("backlog", rate, reserve=True) for _ in range(10)]
+    assert [d.allowed for d in decisions[:3]] == [True] * 3
+    slots = [us(d.at) for d in decisions[3:]]
+    assert all(d.reserved for d in decisions[3:])
+    assert [b - a for a, b in itertools.pairwise(slots)] == [100_000] * 6
+    # the first slot: one interval after the first grant, less the burst's tolerance
+    assert slots[0] == us(decisions[0].at) + 100_000
+
+
+def test_an_unpaced_limit_keeps_no_pace(limiter: Limiter, redis_client: redis.Redis) -> None:
+    plain, paced = Limit("5/s", key="plain"), Limit("5/s", key="paced", burst=1)
+    counter = Limit("5/s", key="counted", algorithm="counter", burst=1)
+    for limit in (plain, paced, counter):
+        assert limiter.acquire(limit.key, limit).allowed  # type: ignore[arg-type]
+    (plain_key,) = limiter.keys_for("plain", plain)
+    (paced_key,) = limiter.keys_for("paced", paced)
+    (counter_key,) = limiter.keys_for("counted", counter)
+    assert redis_client.zscore(plain_key, PACE_MEMBER) is None
+    assert redis_client.zscore(paced_key, PACE_MEMBER) is not None
+    assert redis_client.hget(counter_key, PACE_FIELD) is not None
+    # what status and explain read: the next unit conforms one interval (200 ms) on
+    now = us(float(redis_client.time()[0]) + redis_client.time()[1] / 1e6)
+    name = parse_key(limiter.prefix, paced_key)
+    assert name is not None and key_status(redis_client, name, now).used == 1
+    left = pace_in(redis_client, name, paced, now, None)
+    assert left is not None and 0 < left <= 0.2
+    assert pace_in(redis_client, name, plain, now, None) is None
+
+
+def test_a_denial_by_a_paced_limit_consumes_nothing_from_the_others(limiter: Limiter) -> None:
+    paced, window = Limit("10/s", key="api", burst=1), Limit("100/m", key="api:day")
+    assert limiter.acquire("x", [paced, window]).allowed
+    denied = limiter.acquire("x", [paced, window])
+    assert not denied.allowed and denied.limit == paced
+    assert limiter.peek("x", [window]).remaining == 99
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"burst": 0}, "burst must be a positive int or None, got 0"),
+        ({"burst": -1}, "got -1"),
+        ({"burst": 2.5}, "got 2.5"),
+        ({"burst": True}, "got True"),
+        ({"burst": "3"}, "got '3'"),
+        ({"burst": 11}, "burst 11 is greater than the limit of 10/s"),
+        ({"burst": 2, "align": "UTC", "rate": "10/m"}, "align='UTC'"),
+    ],
+)
+def test_a_bad_burst_is_refused_at_declaration(kwargs: dict[str, object], match: str) -> None:
+    rate = kwargs.pop("rate", "10/s")
+    with pytest.raises(InvalidLimit, match=match):
+        Limit(rate, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidLimit, match=match):
+        ratelimit(rate, **kwargs)  # type: ignore[arg-type]
+
+
+def test_burst_none_sends_what_an_unpaced_call_always_sent() -> None:
+    from celery_ratelimit._scripts import shape
+
+    plain = shape((Limit("10/s"),), 1)
+    assert "pace" not in plain.arguments()
+    assert shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1).paces == ("pace", 2, 0)
