@@ -173,6 +173,22 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     assert figures["deferred_tasks"] > 0  # the limit deferred tasks, not only counted them
 
 
+def test_a_paced_backlog_drains_one_call_an_interval_on_three_nodes(nodes: Nodes) -> None:
+    """``Limit("20/2s", key="paced", burst=2)`` with 30 tasks sent at once: besides the
+    window (20 in any 2 s, checked by check_backlog), never more than the burst in any
+    100 ms (the emission interval) among the grants, nor more than the burst + 1 among
+    the starts (a body begins a moment after its grant); nothing lost. The backlog
+    drains about one call per interval instead of 20 at every window edge."""
+    ids, runs = drain(nodes, "paced", 30)
+    check_backlog(nodes, ids, runs, "20/2s", "paced, burst 2")
+    grants = [r["granted"] for r in runs]
+    starts = [r["started"] for r in runs]
+    assert max_in_window(grants, 100_000) <= 2, sorted(grants)
+    assert max_in_window(starts, 100_000) <= 3, sorted(starts)
+    # reserved slots are paced: 2 at once, then one per 100 ms, so 30 grants span 2.8 s
+    assert max(grants) - min(grants) >= 2_800_000 - 1_000
+
+
 def park_figures(client: Any, prefix: str) -> tuple[int, int, int]:
     """Copies parked and published so far, and waiting now, in every park of ``prefix``."""
     parked = published = waiting = 0

@@ -120,6 +120,16 @@ def via_base(self: Any, i: int) -> int:
     return i
 
 
+#: A paced limit (Limit(burst=...)): 20 per 2 s, at most 2 at once, one every 100 ms.
+PACED = Limit("20/2s", key="paced", burst=2)
+
+
+@app.task(base=RateLimitedTask, ratelimit=PACED, bind=True)
+def paced(self: Any, i: int) -> int:
+    record(self, i=i)
+    return i
+
+
 @ratelimit(RATE, key="shared")
 @app.task(bind=True)
 def via_decorator(self: Any, i: int) -> int:
