@@ -264,3 +264,47 @@ def upstream_observe(self: Any, path: str) -> None:
 @app.task(base=RateLimitedTask, ratelimit=Limit(DECLARED, key="up:{path}", adapt=True), bind=True)
 def upstream_adapt(self: Any, path: str) -> None:
     call_upstream(self, path, read_headers=False)
+
+
+#: Even pacing (``benchmarks/bench_pacing.py``): 20 per 2 s, at most 2 at once, then one
+#: per 100 ms; the same window unpaced; throttled-py's GCRA at the same quota and burst.
+PACED_RATE, PACED_BURST = "20/2s", 2
+
+
+@app.task(
+    base=RateLimitedTask, ratelimit=Limit(PACED_RATE, key="paced", burst=PACED_BURST), bind=True
+)
+def paced(self: Any) -> None:
+    """Ours, paced."""
+    record(self)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(PACED_RATE, key="windowed"), bind=True)
+def windowed(self: Any) -> None:
+    """Ours, the same window unpaced."""
+    record(self)
+
+
+_gcra: Any = None
+
+
+@app.task(bind=True, max_retries=None)
+def throttled_gcra(self: Any) -> None:
+    """An anchor: throttled-py's GCRA in the body, the usual way to use a limiter library
+    from Celery: a denied call retries after the ``retry_after`` it was given."""
+    global _gcra
+    if _gcra is None:
+        import datetime
+
+        from throttled import Throttled, rate_limiter, store
+
+        quota = rate_limiter.per_duration(
+            datetime.timedelta(seconds=2), limit=20, burst=PACED_BURST
+        )
+        _gcra = Throttled(
+            key="gcra", using="gcra", quota=quota, store=store.RedisStore(server=REDIS)
+        )
+    result = _gcra.limit()
+    if result.limited:
+        raise self.retry(countdown=result.state.retry_after)
+    record(self)

@@ -18,7 +18,6 @@
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
 --- @include "lib/log_search.lua"
---- @include "lib/pace.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
@@ -26,10 +25,7 @@ local c = read_call(KEYS, ARGV, true)
 local now, write = c.now, c.flag ~= 'peek'
 local gate, gate_by = read_settings(c, true)
 local ks, cals, firm = {}, {}, true
-for i, spec in ipairs(c.logs) do
-  ks[i] = log_open(spec, c.token, now, c.guard, write)
-  ks[i].pace = pace_open(spec, false)
-end
+for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
 local lib = (#c.cals > 0 or #c.concs > 0) and gate_lib() or nil
 if lib then
   cals = lib.open_cals(c, write, false)
@@ -40,10 +36,7 @@ local function answer(status, at, retry_after, denied_by)
   if write then
     for _, k in ipairs(ks) do log_flush(k) end
     if lib then lib.commit(c, cals, status, at) end
-    if status == 1 or status == 2 or status == 6 then
-      seen_take(c, at)
-      for _, k in ipairs(ks) do pace_take(k.pace, k.cost, at) end
-    end
+    if status == 1 or status == 2 or status == 6 then seen_take(c, at) end
   end
   return reply(status, at, retry_after, denied_by, now, ks, lib, cals, c.concs)
 end

@@ -40,7 +40,13 @@ local counters = {}
 for i, spec in ipairs(c.logs) do
   local limit, window, cost = spec.limit, spec.window, spec.cost
   local wid = math.floor(now / window)
-  local h = redis.call('HMGET', spec.key, 'w', 'c', 'p')
+  local h
+  if spec.burst then
+    h = redis.call('HMGET', spec.key, 'w', 'c', 'p', PACE_FIELD)
+  else
+    h = redis.call('HMGET', spec.key, 'w', 'c', 'p')
+  end
+  local pace = pace_open(spec, h[4])
   local w0 = tonumber(h[1])
   local cur, prev = tonumber(h[2]) or 0, tonumber(h[3]) or 0
   if w0 == nil or w0 < wid - 1 then
@@ -63,7 +69,6 @@ for i, spec in ipairs(c.logs) do
     end
     if fits > at then at, denied_by = fits, i end
   end
-  local pace = pace_open(spec, true)
   local paced = pace_at(pace, cost, now)
   if paced > at then at, denied_by = paced, i end
   local free = math.floor(limit - estimate)
@@ -88,8 +93,12 @@ remaining = nil
 for i, spec in ipairs(c.logs) do
   local n, window = counters[i], spec.window
   local cur = n.cur + spec.cost
-  redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev)
-  pace_take(n.pace, spec.cost, now)
+  if n.pace then
+    redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev,
+      PACE_FIELD, pace_take(n.pace, spec.cost, now))
+  else
+    redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev)
+  end
   redis.call('PEXPIRE', spec.key, math.ceil(2 * window / 1000) + TTL_MARGIN_MS)
   local r = (n.wid + 2) * window - now
   if r > reset then reset = r end

@@ -28,7 +28,6 @@
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
 --- @include "lib/log_search.lua"
---- @include "lib/pace.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
 
@@ -81,7 +80,7 @@ end
 if gate > now or start - now > hold or start - t0 > hold / 4 then
   -- no room soon counting what started: placed as a new reservation, not before the gate
   start = gate
-  for i, k in ipairs(ks) do
+  for _, k in ipairs(ks) do
     local own = redis.call('ZSCORE', k.key, k.member)
     if own then log_remove(k, tonumber(own), now) end
     local excess = k.total + k.cost - k.limit
@@ -89,12 +88,10 @@ if gate > now or start - now > hold or start - t0 > hold / 4 then
       local s = log_free_at(k, excess, now)
       if s > start then start = s end
     end
-    k.pace = pace_open(c.logs[i], false)
     start = math.max(start, pace_at(k.pace, k.cost, now))
   end
 end
 if #cals > 0 then start = lib.cal_at(cals, start, now, c.horizon) end
-for _, k in ipairs(ks) do pace_take(k.pace, k.cost, start) end
 
 local wait = start - now
 local later = wait > hold or not firm

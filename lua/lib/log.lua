@@ -8,6 +8,8 @@
 --   total         weight in the window; stale: weight of expired entries still stored
 --   newest, unit, expiry  the meta members: the newest entry's instant, the weight
 --                 every entry has (0 once mixed), when the key's PEXPIRE runs out
+--   pace          a paced limit's pace (lib/pace.lua; its meta member PACE_MEMBER),
+--                 taken by every entry log_add writes; nil when not paced
 --
 -- The log, a sorted set: one entry per granted or reserved call, score = its instant
 -- (µs, later than now for a reservation). Meta members score below ENTRY_FLOOR, so
@@ -19,6 +21,8 @@
 -- the limit. A call is placed at s if g(s) + cost <= limit, g(s) being the weight of
 -- every entry later than s - W; g never grows with s, so the earliest such s is where
 -- enough weight has left (log_free_at): retry_after is exact.
+
+--- @include "lib/pace.lua"
 
 local TTL_MARGIN_MS = 1000
 -- At most this many expired entries are removed per call once a log holds more (the
@@ -76,13 +80,19 @@ end
 -- for the call `token`, pruned when `write`.
 local function log_open(spec, token, now, guard, write)
   local slack = math.min(guard, math.floor(spec.window / 25))
-  local meta = redis.call('ZMSCORE', spec.key, '', '+', '=', '~')
+  local meta
+  if spec.burst then
+    meta = redis.call('ZMSCORE', spec.key, '', '+', '=', '~', PACE_MEMBER)
+  else
+    meta = redis.call('ZMSCORE', spec.key, '', '+', '=', '~')
+  end
   local k = {key = spec.key, pending = spec.pending, limit = spec.limit,
     window = spec.window + slack, exact = spec.window + math.floor(slack / 2),
     cost = spec.cost, member = spec.cost == 1 and token or token .. '.' .. spec.cost,
     total = meta[1] and tonumber(meta[1]) or 0, stale = 0, dirty = false,
     newest = meta[2] and -tonumber(meta[2]) or 0, unit = meta[3] and tonumber(meta[3]) or 0,
-    expiry = meta[4] and -tonumber(meta[4]) or 0}
+    expiry = meta[4] and -tonumber(meta[4]) or 0,
+    pace = pace_open(spec, meta[5] and -tonumber(meta[5]))}
   if k.total > 0 then log_prune(k, now, write) end
   return k
 end
@@ -108,13 +118,17 @@ local function log_write(k, t, now, write)
 end
 
 -- Add the call's entry at t: its weight joins the running total (and the uniform
--- weight), in the entry's own ZADD.
+-- weight), and its cost the pace, in the entry's own ZADD.
 local function log_add(k, t, now)
   local write = {t, k.member, k.total + k.stale + k.cost, ''}
   if k.total + k.stale == 0 then
     write[5], write[6], k.unit = k.cost, '=', k.cost
   elseif k.unit ~= 0 and k.unit ~= k.cost then
     write[5], write[6], k.unit = 0, '=', 0
+  end
+  if k.pace then
+    write[#write + 1] = '-' .. pace_take(k.pace, k.cost, t)
+    write[#write + 1] = PACE_MEMBER
   end
   k.total = k.total + k.cost
   k.dirty = false

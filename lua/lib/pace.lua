@@ -1,38 +1,33 @@
 -- lib/pace.lua — even pacing of a sliding limit, Limit(rate, burst=N): the generic cell
 -- rate algorithm (GCRA). Functions of a pace table `p`, which pace_open returns:
---   key, hash   where the pace is kept: the limit's own key (a log's sorted set, or a
---               counter's hash when `hash`)
 --   burst       cost units that may start at once (at most the limit)
 --   interval    the emission interval, µs: ceil(W / L), so never faster than L per W
 --   tat         the theoretical arrival time, µs: when the units counted so far would
 --               all have been emitted at one per interval
 --
--- The state is one number per limit (O(1)): in the log, the meta member PACE_MEMBER
--- scored minus the tat (below lib/log.lua's ENTRY_FLOOR, as its other meta members);
--- in the counter's hash, the field PACE_FIELD. A call of cost c conforms from
+-- The state is one number per limit (O(1)), read and written by the limit's own
+-- commands, no extra one: in the log, the meta member PACE_MEMBER scored minus the tat
+-- (below lib/log.lua's ENTRY_FLOOR, as its other meta members; read by its ZMSCORE,
+-- written by the entry's own ZADD); in the counter's hash, the field PACE_FIELD (read
+-- by its HMGET, written by its HSET). A call of cost c conforms from
 --     tat - max(burst - c, 0) * interval
 -- on (a call costing more than the burst runs alone, once the pace has caught up), and
--- counting it at s moves the tat to max(tat, s) + c * interval. The instant is monotone:
--- a call that conforms at s conforms at every later instant, so the earliest instant that
--- fits both the window and the pace is the later of the two, and retry_after stays exact.
--- The tat is at most one window past the call's entry, which the key outlives: a key
--- expired or pruned away held a tat already past.
+-- counting it at s moves the tat to max(tat, s) + c * interval. That instant is
+-- monotone: a call that conforms at s conforms at every later instant, so the earliest
+-- instant that fits both the window and the pace is the later of the two, and
+-- retry_after stays exact. The tat is at most one window past the call's entry, which
+-- the key outlives: a key expired or pruned away held a tat already past.
 
 local PACE_MEMBER = '^'
 local PACE_FIELD = 't'
 
 -- The pace of the limit `spec` (lib/call.lua, after read_settings: an override or an
--- effective rate paces at its own rate), read from its key; nil when it is not paced.
-local function pace_open(spec, hash)
+-- effective rate paces at its own rate) whose stored tat is `stored` (nil: none); nil
+-- when the limit is not paced.
+local function pace_open(spec, stored)
   if not spec.burst then return nil end
-  local tat
-  if hash then
-    tat = tonumber(redis.call('HGET', spec.key, PACE_FIELD) or 0)
-  else
-    tat = -tonumber(redis.call('ZSCORE', spec.key, PACE_MEMBER) or 0)
-  end
-  return {key = spec.key, hash = hash, burst = math.min(spec.burst, spec.limit),
-    interval = math.ceil(spec.window / spec.limit), tat = tat}
+  return {burst = math.min(spec.burst, spec.limit), interval = math.ceil(spec.window / spec.limit),
+    tat = tonumber(stored or 0)}
 end
 
 -- The earliest instant from `now` at which a call of `cost` conforms to the pace `p`
@@ -42,13 +37,9 @@ local function pace_at(p, cost, now)
   return math.max(now, p.tat - math.max(p.burst - cost, 0) * p.interval)
 end
 
--- Count a call of `cost` at instant `at` in the pace `p` (nothing when nil), and keep it.
+-- Count a call of `cost` at instant `at` in the pace `p`: its new tat, as a string of
+-- digits to store (the caller writes it with its own command).
 local function pace_take(p, cost, at)
-  if not p then return end
   p.tat = math.max(p.tat, at) + cost * p.interval
-  if p.hash then
-    redis.call('HSET', p.key, PACE_FIELD, string.format('%.0f', p.tat))
-  else
-    redis.call('ZADD', p.key, -p.tat, PACE_MEMBER)
-  end
+  return string.format('%.0f', p.tat)
 end
