@@ -6,7 +6,8 @@ the starts on every pool (``bench_pools``) and of a cold flood on the green pool
 (``bench_flood``), backlogs of 10-100x the limit
 (``bench_scale``) and each script path's Redis time against the limit's size
 (``bench_script_scale``, both drawn as ``benchmarks/results/scale.png``), concurrency
-limits and a 429 pause across nodes (``bench_concurrency``),
+limits and a 429 pause across nodes (``bench_concurrency``), even pacing beside
+throttled-py's GCRA (``bench_pacing``),
 prints one table of ratios measured in this run next to their targets, writes the raw
 figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 ``benchmarks/results/celery.png`` (executions per window over time, limit as a line).
@@ -28,6 +29,7 @@ from benchmarks import (
     bench_concurrency,
     bench_flood,
     bench_limiter,
+    bench_pacing,
     bench_pools,
     bench_scale,
     bench_script_scale,
@@ -266,6 +268,21 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 d["decisions_per_task"] <= 2.0)  # fmt: skip
         add("12. anchor: busy-slot utilization, one node -c 2",
             slots["anchor_one_node"]["utilization"], "anchor", None)  # fmt: skip
+    pacing = results.get("pacing")
+    if pacing:
+        for name, label in bench_pacing.SCENARIOS:
+            d = pacing["nodes"][name]
+            add(f"13. most starts in 100 ms, {label}", d["most_in_interval"],
+                "<= 3" if name == "paced" else "anchor",
+                d["most_in_interval"] <= 3 if name == "paced" else None)  # fmt: skip
+            add(f"13. most starts in 2 s, {label}", d["most_in_window"],
+                "<= 20" if name == "paced" else "anchor",
+                d["most_in_window"] <= 20 if name == "paced" else None)  # fmt: skip
+            add(f"13. drain span / (59 x 100 ms), {label}", d["span_over_paced"],
+                "<= 1.1" if name == "paced" else "anchor",
+                d["span_over_paced"] <= 1.1 if name == "paced" else None)  # fmt: skip
+        ratio = pacing["server"]["paced / unpaced"]
+        add("13. server us per decision, paced / unpaced", ratio, "<= 1.15", ratio <= 1.15)
     pause = results.get("concurrency", {}).get("pause")
     if pause:
         inside = pause["starts_inside_pause"]
@@ -313,11 +330,12 @@ def main() -> None:
         "--skip",
         default="",
         help="sections to leave out, comma-separated: pools, flood, scale, script-scale, "
-        "concurrency, cluster",
+        "concurrency, cluster, pacing",
     )
     args = parser.parse_args()
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    unknown = skip - {"pools", "flood", "scale", "script-scale", "concurrency", "cluster"}
+    known = {"pools", "flood", "scale", "script-scale", "concurrency", "cluster", "pacing"}
+    unknown = skip - known
     if unknown:
         parser.error(f"unknown sections to skip: {', '.join(sorted(unknown))}")
     started = time.monotonic()
@@ -369,6 +387,8 @@ def main() -> None:
         results["concurrency"] = timed("concurrency", bench_concurrency.run_all)
     if "cluster" not in skip:
         results["cluster"] = timed("cluster", bench_cluster.run)
+    if "pacing" not in skip:
+        results["pacing"] = timed("pacing", bench_pacing.run, args.quick)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["section_seconds"] = sections
     table = rows(results)
@@ -397,6 +417,8 @@ def main() -> None:
         docs_tables.write("row 12", bench_concurrency.table(results["concurrency"]))
     if "cluster" in results:
         docs_tables.write("scaling out", bench_cluster.table(results["cluster"]))
+    if "pacing" in results:
+        docs_tables.write("row 13", bench_pacing.table(results["pacing"]))
     if plot(results, RESULTS / "celery.png"):
         print(f"plot: {RESULTS / 'celery.png'}")
     if {"scale", "script_scale"} <= results.keys() and curves.plot(

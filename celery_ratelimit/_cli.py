@@ -39,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-reserve", action="store_true", help="plain retry-after deferral, no reserved slots"
     )
-    demo.add_argument("--plot", metavar="PNG", help="draw executions per window to this file")
+    demo.add_argument(
+        "--burst",
+        type=int,
+        help="pace the limit: at most N at once, then one per W/L (default: not paced)",
+    )
+    demo.add_argument(
+        "--plot", metavar="PNG", help="draw executions per window and starts over time to this file"
+    )
 
     def where(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("-A", "--app", help="the Celery app, module or module:attribute")
@@ -259,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.nodes < 1 or args.tasks < 1:
             raise SystemExit("--nodes and --tasks must be at least 1")
-        return demo(args.nodes, args.tasks, args.rate, not args.no_reserve, args.plot)
+        return demo(args.nodes, args.tasks, args.rate, not args.no_reserve, args.plot, args.burst)
     app = load_app(args.app) if args.app else None
     try:
         if args.command == "status":

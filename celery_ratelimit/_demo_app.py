@@ -1,7 +1,8 @@
 """The Celery app the demo's worker nodes run (``celery -A celery_ratelimit._demo_app``).
 
 Configured from the environment by ``celery-ratelimit demo``: CRL_DEMO_BROKER,
-CRL_DEMO_REDIS (the limiter's Redis), CRL_DEMO_RATE, CRL_DEMO_RESERVE. Each execution
+CRL_DEMO_REDIS (the limiter's Redis), CRL_DEMO_RATE, CRL_DEMO_RESERVE, CRL_DEMO_BURST
+(empty: not paced). Each execution
 appends the instant it started, its grant and its deferrals to ``demo:runs``.
 """
 
@@ -20,6 +21,7 @@ from ._task import RateLimitedTask
 REDIS = os.environ.get("CRL_DEMO_REDIS", "redis://127.0.0.1:6379/0")
 BROKER = os.environ.get("CRL_DEMO_BROKER", REDIS)
 RATE = os.environ.get("CRL_DEMO_RATE", "10/s")
+BURST = int(os.environ.get("CRL_DEMO_BURST") or 0) or None
 RUNS = "demo:runs"
 
 app = Celery("celery_ratelimit_demo", broker=BROKER)
@@ -33,7 +35,7 @@ app.conf.update(
 _client: redis.Redis | None = None
 
 
-@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="metered-api"), bind=True)  # type: ignore[untyped-decorator]
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="metered-api", burst=BURST), bind=True)  # type: ignore[untyped-decorator]
 def call_api(self: Any, i: int) -> int:
     """Stands for one call to a metered API: records when it started (this machine's
     clock, read first thing: the demo's redis-server runs here, so it is Redis's clock

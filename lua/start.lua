@@ -22,8 +22,10 @@
 -- room that started tasks leave would push the task due there, and that one the next,
 -- a chain of deferrals through the whole backlog; waiting longer in-process would make
 -- every task after a late one wait as long.
--- A paced limit (lib/pace.lua): a slot was paced when it was reserved, and a start on
--- it leaves the pace alone; a task placed anew takes a paced slot as a reservation does.
+-- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
+-- checked, by the same rule, in a window of one interval holding at most the burst
+-- (pace_window): a task whose copy came late never bunches with the starts before it.
+-- A task placed anew takes a paced slot as a reservation does.
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
@@ -76,6 +78,10 @@ local start = t0
 for _, k in ipairs(ks) do
   local s = log_start_in(k, t0, now, hold)
   if s > start then start = s end
+  if k.pace then
+    s = log_start_in(pace_window(k), t0, now, hold)
+    if s > start then start = s end
+  end
 end
 if gate > now or start - now > hold or start - t0 > hold / 4 then
   -- no room soon counting what started: placed as a new reservation, not before the gate

@@ -37,6 +37,15 @@ local function pace_at(p, cost, now)
   return math.max(now, p.tat - math.max(p.burst - cost, 0) * p.interval)
 end
 
+-- The log k (lib/log.lua) of a paced limit seen as a window of one interval holding at
+-- most the burst (or the call's cost, when above it): where lib/log_search.lua's
+-- log_start_in checks a start against what really started, so that starts stay paced
+-- when copies come late (their slots were).
+local function pace_window(k)
+  return {key = k.key, pending = k.pending, member = k.member, unit = k.unit, cost = k.cost,
+    limit = math.max(k.pace.burst, k.cost), exact = k.pace.interval}
+end
+
 -- Count a call of `cost` at instant `at` in the pace `p`: its new tat, as a string of
 -- digits to store (the caller writes it with its own command).
 local function pace_take(p, cost, at)
