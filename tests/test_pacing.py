@@ -167,3 +167,40 @@ def test_burst_none_sends_what_an_unpaced_call_always_sent() -> None:
     plain = shape((Limit("10/s"),), 1)
     assert "pace" not in plain.arguments()
     assert shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1).paces == ("pace", 2, 0)
+
+
+def test_async_and_sync_limiters_share_one_pace(redis_url: str, limiter: Limiter) -> None:
+    import asyncio
+
+    from celery_ratelimit import AsyncLimiter
+
+    rate = Limit("20/2s", key="shared", burst=1)
+
+    async def main() -> tuple[bool, float]:
+        lim = AsyncLimiter.from_url(redis_url, prefix=limiter.prefix)
+        try:
+            first = await lim.acquire("shared", rate)
+            reserved = await lim.acquire("shared", rate, reserve=True)
+            assert reserved.reserved
+            return first.allowed, reserved.at - first.at
+        finally:
+            await lim.aclose()
+
+    allowed, gap = asyncio.run(main())
+    assert allowed and abs(gap - 0.1) < 1e-6
+    after = limiter.acquire("shared", rate, reserve=True)
+    assert after.reserved and 0.1 < after.retry_after <= 0.2
+
+
+def test_the_decorator_builds_a_paced_limit() -> None:
+    decorate = ratelimit("10/s", key="k", burst=3)
+    from celery import Celery
+
+    app = Celery("pacing", set_as_current=False)
+
+    @decorate
+    @app.task
+    def paced_task() -> None: ...
+
+    (limit,) = paced_task.ratelimit
+    assert limit == Limit("10/s", key="k", burst=3) and limit.burst == 3
