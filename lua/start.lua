@@ -25,7 +25,8 @@
 -- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
 -- checked, by the same rule, in a window of one interval holding at most the burst
 -- (pace_window): a task whose copy came late never bunches with the starts before it.
--- A task placed anew takes a paced slot as a reservation does.
+-- A task placed anew takes a paced slot as a reservation does, and not one in an
+-- interval that late starts have filled.
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
@@ -95,6 +96,9 @@ if gate > now or start - now > hold or start - t0 > hold / 4 then
       if s > start then start = s end
     end
     start = math.max(start, pace_at(k.pace, k.cost, now))
+  end
+  for _, k in ipairs(ks) do
+    if k.pace then start = math.max(start, log_start_in(pace_window(k), start, now, hold)) end
   end
 end
 if #cals > 0 then start = lib.cal_at(cals, start, now, c.horizon) end

@@ -204,3 +204,20 @@ def test_the_decorator_builds_a_paced_limit() -> None:
 
     (limit,) = paced_task.ratelimit
     assert limit == Limit("10/s", key="k", burst=3) and limit.burst == 3
+
+
+def test_copies_that_come_late_never_bunch_their_starts(limiter: Limiter) -> None:
+    """Three reserved slots 100 ms apart, their copies all confirmed together once every
+    slot has passed: the first starts, the others do not start in the same interval (a
+    window of one interval holds at most the burst, counting what really started)."""
+    rate = Limit("20/2s", key="late", burst=1)
+    assert limiter.acquire("late", rate).allowed
+    tokens = [limiter.acquire("late", rate, reserve=True) for _ in range(3)]
+    assert all(d.reserved for d in tokens)
+    time.sleep(tokens[-1].at - tokens[0].at + tokens[0].retry_after + 0.05)
+    starts = [limiter.confirm(d.token or "", "late", rate, hold=0.2) for d in tokens]
+    assert starts[0].allowed and starts[0].retry_after == 0
+    # each later one waits in-process for the next interval (or is placed anew): never
+    # two starts of burst 1 within one interval
+    instants = sorted(us(d.at) for d in starts)
+    assert all(b - a >= INTERVAL * 5 for a, b in itertools.pairwise(instants)), instants
