@@ -221,3 +221,30 @@ def test_copies_that_come_late_never_bunch_their_starts(limiter: Limiter) -> Non
     # two starts of burst 1 within one interval
     instants = sorted(us(d.at) for d in starts)
     assert all(b - a >= INTERVAL * 5 for a, b in itertools.pairwise(instants)), instants
+
+
+def test_status_shows_when_a_paced_limits_next_unit_conforms() -> None:
+    from celery_ratelimit._layout import KeyName
+    from celery_ratelimit._ops import KeyStatus, format_status
+
+    paced = Limit("20/2s", key="api", burst=2)
+    name = KeyName("ratelimit:{api}:log:2000000", "api", "log", 2_000_000)
+    row = KeyStatus(name, used=2, limit=paced, sources=["task"], remaining=18, next_free=0.1)
+    row.pace_in = 0.1
+    (line,) = [text for text in format_status([row], "ratelimit", "redis://x") if "api@" in text]
+    assert "paced, burst 2: next unit in 0.100s" in line
+
+
+def test_explain_shows_a_paced_limits_pace() -> None:
+    from celery_ratelimit._explain import Explanation, LimitExplanation, format_explanation
+    from celery_ratelimit._layout import KeyName
+    from celery_ratelimit._ops import KeyStatus
+
+    paced = Limit("20/2s", key="api", burst=2)
+    state = KeyStatus(KeyName("k", "api", "log", 2_000_000), used=2, remaining=18, next_free=0.0)
+    state.pace_in = 0.05
+    e = Explanation("t", "the task's ratelimit option", (), {})
+    e.limits.append(LimitExplanation(paced, "api", "k", 1, state))
+    lines = format_explanation(e)
+    pace = "     pace       burst 2, then one unit every 0.1s; the next unit conforms in 0.050s"
+    assert pace in lines
