@@ -95,7 +95,7 @@ for i, spec in ipairs(c.logs) do
   local cur = n.cur + spec.cost
   if n.pace then
     redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev,
-      PACE_FIELD, pace_take(n.pace, spec.cost, now))
+      PACE_FIELD, pace_take(n.pace, spec.cost, now, ''))
   else
     redis.call('HSET', spec.key, 'w', n.wid, 'c', cur, 'p', n.prev)
   end

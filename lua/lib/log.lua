@@ -127,7 +127,7 @@ local function log_add(k, t, now)
     write[5], write[6], k.unit = 0, '=', 0
   end
   if k.pace then
-    write[#write + 1] = '-' .. pace_take(k.pace, k.cost, t)
+    write[#write + 1] = pace_take(k.pace, k.cost, t, '-')
     write[#write + 1] = PACE_MEMBER
   end
   k.total = k.total + k.cost

@@ -47,8 +47,12 @@ local function pace_window(k)
 end
 
 -- Count a call of `cost` at instant `at` in the pace `p`: its new tat, as a string of
--- digits to store (the caller writes it with its own command).
-local function pace_take(p, cost, at)
-  p.tat = math.max(p.tat, at) + cost * p.interval
-  return string.format('%.0f', p.tat)
+-- all its digits to store (`sign`: '-' for a score that is minus it, else ''; the
+-- caller writes it with its own command).
+local function pace_take(p, cost, at, sign)
+  local tat = p.tat
+  if at > tat then tat = at end
+  tat = tat + cost * p.interval
+  p.tat = tat
+  return string.format(sign .. '%.0f', tat)
 end
