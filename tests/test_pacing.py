@@ -248,3 +248,19 @@ def test_explain_shows_a_paced_limits_pace() -> None:
     lines = format_explanation(e)
     pace = "     pace       burst 2, then one unit every 0.1s; the next unit conforms in 0.050s"
     assert pace in lines
+
+
+def test_the_demo_report_shows_the_most_starts_in_an_interval_when_paced() -> None:
+    from celery_ratelimit import Rate
+    from celery_ratelimit._demo import Report, ideal_drain
+
+    rate = Rate.parse("20/2s")
+    runs = [(0, 0, 0), (1_000, 0, 0), (100_000, 100_000, 1), (200_000, 200_000, 1)]
+    paced = Report(4, 4, rate, 4, 4, 0.2, 0.2, 6, 2, runs, burst=2)
+    assert "most starts in any 100 ms      2 (the pace: burst 2, then one every 100 ms)" in (
+        paced.lines()
+    )
+    assert not [
+        line for line in Report(4, 4, rate, 4, 4, 0.2, 0.2, 6, 2, runs).lines() if "100 ms" in line
+    ]
+    assert ideal_drain(60, rate, 2) == 5.8 and ideal_drain(60, rate) == 4.0
