@@ -70,10 +70,14 @@ class AsyncLimiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """As :meth:`Limiter.acquire`."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
-        return await self._decide(self._acquire_call(key, call, "reserve" if reserve else "now"))
+        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
+        how = "reserve" if reserve else "now"
+        return await self._decide(self._acquire_call(key, call, how, fair=fairly))
 
     async def peek(
         self,
@@ -99,6 +103,8 @@ class AsyncLimiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """As :meth:`Limiter.confirm`: start the call holding the reservation ``token``."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
@@ -106,7 +112,8 @@ class AsyncLimiter(LimiterBase):
         decision = self._decision(started, await self._script_reply(started))
         if decision is None:
             # the reservation was already started on: compete as a new call
-            return await self._decide(self._acquire_call(key, call, "reserve"))
+            fairly = self.fair_of(key, call.limits, fair, fair_weight)
+            return await self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
         return decision
 
     async def release(

@@ -65,6 +65,10 @@ COUNTER_FIELDS = ("w", "c", "p")
 PENDING = ":r"
 #: Suffix of a concurrency limit's starts.
 STARTS = ":s"
+#: Suffixes of a fair limit's log key: its queue of waiting calls' tags (``value|member``
+#: -> tag) and its state hash (``""`` -> virtual time, ``"f:" + value`` -> finish tag).
+FAIR_TAGS = ":q"
+FAIR_STATE = ":v"
 #: The meta member of a concurrency limit's holders: the average time a body held a slot.
 AVERAGE = ""
 #: Prefix of a calendar key's meta member for a window: ``"#" + its start`` (µs).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ RedisErrorPolicy = Literal["defer", "allow", "raise"]
 KeyFunc = Callable[..., object]
 CostFunc = Callable[..., int]
 RateFunc = Callable[..., "str | Rate"]
+WeightFunc = Callable[..., float]
 
 ALGORITHMS: tuple[str, ...] = ("log", "counter")
 REDIS_ERROR_POLICIES: tuple[str, ...] = ("defer", "allow", "raise")
@@ -34,6 +36,19 @@ def check_cost(cost: object, where: str = "cost") -> int:
     if cost < 1:
         raise InvalidLimit(f"{where} must be a positive int, got {cost!r}")
     return cost
+
+
+def check_weight(weight: object, where: str = "fair_weight") -> float:
+    """Return ``weight`` as a float if it is a positive finite number (not a bool).
+
+    Raises:
+        InvalidLimit: ``weight`` is not a number, or is zero, negative, NaN or infinite.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise InvalidLimit(f"{where} must be a positive number, got {weight!r}")
+    if not (math.isfinite(weight) and weight > 0):
+        raise InvalidLimit(f"{where} must be a positive finite number, got {weight!r}")
+    return float(weight)
 
 
 #: Characters that stay as they are in a template's literal text and that an argument
@@ -104,11 +119,18 @@ class Limit:
             window and never below one call per window; each window without one gives
             back a tenth of the declared rate, up to it. The effective rate lives in
             Redis, shared by every worker, and is read by the same call that decides.
+        fair_key: who shares the budget fairly when calls must wait (a template of the
+            call's arguments such as ``"{tenant}"``, or a callable of them): waiting
+            calls take the next slots in proportion to their values' ``fair_weight``,
+            not in arrival order (see docs/design.md, "Fair shares").
+        fair_weight: a positive number, or a callable of ``(*args, **kwargs)`` returning
+            one (priority classes: ``{"interactive": 9, "batch": 1}.get``).
 
     Raises:
         InvalidRate: ``rate`` cannot be parsed.
         InvalidLimit: a bad template, algorithm, policy, zone, a cost above the limit,
-            or an aligned rate that is not per day, hour or minute.
+            an aligned rate that is not per day, hour or minute, a ``fair_weight`` not a
+            positive finite number, or a ``fair_key`` on an aligned or counter limit.
         TypeError: a cost that is not an int (or is a bool), a key of the wrong type.
 
     Example::
@@ -124,7 +146,10 @@ class Limit:
     name: str | None
     align: str | None
     adapt: bool
+    fair_key: str | KeyFunc | None
+    fair_weight: float | WeightFunc
     fields: tuple[str, ...] = field(repr=False, compare=False)
+    fair_fields: tuple[str, ...] = field(repr=False, compare=False)
 
     def __init__(
         self,
@@ -137,6 +162,8 @@ class Limit:
         name: str | None = None,
         align: str | None = None,
         adapt: bool = False,
+        fair_key: str | KeyFunc | None = None,
+        fair_weight: float | WeightFunc = 1,
     ) -> None:
         if not isinstance(adapt, bool):
             raise TypeError(f"Limit adapt must be True or False, got {adapt!r}")
@@ -150,6 +177,11 @@ class Limit:
         set_(self, "on_redis_error", on_redis_error)
         set_(self, "name", name)
         set_(self, "fields", ())
+        set_(self, "fair_key", fair_key)
+        set_(
+            self, "fair_weight", fair_weight if callable(fair_weight) else check_weight(fair_weight)
+        )
+        set_(self, "fair_fields", ())
         self._validate()
 
     def __hash__(self) -> int:
@@ -176,6 +208,8 @@ class Limit:
             self.name,
             self.align,
             self.adapt,
+            self.fair_key,
+            self.fair_weight,
         )
 
     @property
@@ -212,6 +246,20 @@ class Limit:
             zone_of(self.align)
             if isinstance(self.rate, Rate):
                 check_window(self.rate.window_us, self.rate)
+        if self.fair_key is not None:
+            if isinstance(self.fair_key, str):
+                if not self.fair_key:
+                    raise InvalidLimit("Limit fair_key must not be empty")
+                object.__setattr__(self, "fair_fields", template_fields(self.fair_key))
+            elif not callable(self.fair_key):
+                raise TypeError(
+                    f"Limit fair_key must be a string, a callable or None, got {self.fair_key!r}"
+                )
+            if self.align is not None or self.algorithm != "log":
+                raise InvalidLimit(
+                    f"Limit fair_key {self.fair_key!r} needs reserved slots: the log "
+                    "algorithm, not an aligned or counter limit"
+                )
         with contextlib.suppress(TypeError):  # an unhashable callable key or cost:
             self.__dict__["_hash"] = hash(self._identity())  # hashing it raises, as ever
 
@@ -255,6 +303,8 @@ class Limit:
             name=self.name,
             align=self.align,
             adapt=self.adapt,
+            fair_key=self.fair_key,
+            fair_weight=self.fair_weight,
         )
 
 
@@ -298,6 +348,9 @@ class Concurrency:
     algorithm = kind = "conc"
     on_redis_error = None
     adapt = False
+    fair_key = None
+    fair_weight = 1.0
+    fair_fields = ()
 
     def __init__(
         self,
@@ -394,6 +447,12 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
         limits.append(item)
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
+    fair = [limit for limit in limits if limit.fair_key is not None]
+    if fair and len(limits) + len(slots) > 1:
+        raise InvalidLimit(
+            f"{what}: {fair[0].label} has a fair_key, and fair shares are kept for a call "
+            "of one Limit: it cannot be stacked with other limits"
+        )
     aligned = [limit for limit in limits if limit.align is not None]
     sliding = [limit for limit in limits if limit.align is None]
     algorithms = {limit.algorithm for limit in sliding}
@@ -426,6 +485,7 @@ __all__ = [
     "Limit",
     "LimitSpec",
     "check_cost",
+    "check_weight",
     "describe",
     "rate_algorithm",
     "template_fields",

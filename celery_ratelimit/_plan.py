@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 from ._compat import ProxyParts
 from ._exceptions import InvalidLimit, InvalidRate
-from ._keys import escape_key, render
-from ._limit import AnyLimit, Concurrency, Limit, check_cost, to_limits
+from ._keys import escape_key, logical_key, render
+from ._limit import AnyLimit, Concurrency, Limit, check_cost, check_weight, to_limits
 
 
 class Call(NamedTuple):
@@ -89,6 +89,40 @@ class Plan:
                 )
             costs.append(cost)
         return Call(tuple(keys), tuple(costs), tuple(limits))
+
+    def fair(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, float] | None:
+        """The fair-key value (escaped) and weight of this call, or None when no limit
+        has a ``fair_key``.
+
+        Raises:
+            InvalidLimit: the template names a missing argument, a fair_key or
+                fair_weight function raised, or returned an empty key or a weight that
+                is not a positive finite number (that task fails, the others go on).
+        """
+        limit = next((one for one in self.limits if getattr(one, "fair_key", None)), None)
+        if limit is None:
+            return None
+        key = limit.fair_key
+        if isinstance(key, str):
+            if limit.fair_fields:
+                value = logical_key(render(key, self._bind(args, kwargs), args))
+            else:
+                value = escape_key(key)
+        else:
+            given = _call_user(key, f"fair_key function of {limit.label}", args, kwargs)
+            if not isinstance(given, str) or not given:
+                raise InvalidLimit(
+                    f"fair_key function of {limit.label} returned {given!r}, expected a "
+                    "non-empty string"
+                )
+            value = escape_key(given)
+        weight = limit.fair_weight
+        if callable(weight):
+            what = f"fair_weight function of {limit.label}"
+            weight = check_weight(
+                _call_user(weight, what, args, kwargs), f"the weight {what} returned"
+            )
+        return value, weight
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         """The call's arguments by name, defaults applied; a ``**kwargs`` parameter's
@@ -182,14 +216,17 @@ def check_fields(signature: inspect.Signature, limits: tuple[Limit, ...], name: 
         for kind in kinds
     )
     for limit in limits:
-        for field in limit.fields:
+        for field, template in [
+            *((one, limit.key) for one in limit.fields),
+            *((one, getattr(limit, "fair_key", None)) for one in getattr(limit, "fair_fields", ())),
+        ]:
             if field.isdigit():
                 possible = inspect.Parameter.VAR_POSITIONAL in kinds or int(field) < positions
             else:
                 possible = field in names or inspect.Parameter.VAR_KEYWORD in kinds
             if not possible:
                 raise InvalidLimit(
-                    f"key template {limit.key!r} of task {name} names argument {{{field}}}, "
+                    f"key template {template!r} of task {name} names argument {{{field}}}, "
                     f"which no call of it can have: its signature is {signature}"
                 )
 
