@@ -68,13 +68,7 @@ class Plan:
                 else:
                     keys.append(escape_key(key))
             else:
-                value = _call_user(key, f"key function of {limit.label}", args, kwargs)
-                if not isinstance(value, str) or not value:
-                    raise InvalidLimit(
-                        f"key function of {limit.label} returned {value!r}, expected a "
-                        "non-empty string"
-                    )
-                keys.append(escape_key(value))
+                keys.append(_key_of(key, f"key function of {limit.label}", args, kwargs))
             if isinstance(limit, Concurrency):
                 costs.append(1)  # a body holds one slot
                 continue
@@ -109,13 +103,7 @@ class Plan:
             else:
                 value = escape_key(key)
         else:
-            given = _call_user(key, f"fair_key function of {limit.label}", args, kwargs)
-            if not isinstance(given, str) or not given:
-                raise InvalidLimit(
-                    f"fair_key function of {limit.label} returned {given!r}, expected a "
-                    "non-empty string"
-                )
-            value = escape_key(given)
+            value = _key_of(key, f"fair_key function of {limit.label}", args, kwargs)
         weight = limit.fair_weight
         if callable(weight):
             what = f"fair_weight function of {limit.label}"
@@ -151,6 +139,18 @@ def _rated(limit: Limit, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Li
         return limit.with_rate(value)
     except (InvalidRate, InvalidLimit) as exc:
         raise InvalidLimit(f"{what} returned {value!r}: {exc}") from None
+
+
+def _key_of(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The escaped key a key function gives for this call.
+
+    Raises:
+        InvalidLimit: the function raised, or returned an empty or non-string key.
+    """
+    value = _call_user(function, what, args, kwargs)
+    if not isinstance(value, str) or not value:
+        raise InvalidLimit(f"{what} returned {value!r}, expected a non-empty string")
+    return escape_key(value)
 
 
 def _call_user(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
