@@ -9,7 +9,16 @@ from celery import Task, current_app, signals
 from celery.local import PromiseProxy, Proxy
 
 from . import _compat
-from ._limit import Concurrency, CostFunc, KeyFunc, Limit, LimitSpec, RateFunc, to_limits
+from ._limit import (
+    Concurrency,
+    CostFunc,
+    KeyFunc,
+    Limit,
+    LimitSpec,
+    RateFunc,
+    WeightFunc,
+    to_limits,
+)
 from ._plan import check_function_fields
 from ._settings import setting
 from ._task import wrap_before_start
@@ -27,6 +36,8 @@ def ratelimit(
     algorithm: str = "log",
     align: str | None = None,
     adapt: bool = False,
+    fair_key: str | KeyFunc | None = None,
+    fair_weight: float | WeightFunc = 1,
     **options: Any,
 ) -> Callable[[T], T]:
     """Decorate a Celery task (placed above ``@app.task`` or ``@shared_task``).
@@ -35,8 +46,8 @@ def ratelimit(
         rate: a rate string or a rate function (then ``key``, ``cost``,
             ``algorithm`` and ``align`` build the :class:`Limit`), a :class:`Limit`, a
             :class:`Concurrency`, or a list of them (checked all or nothing).
-        key, cost, algorithm, align: as for :class:`Limit`, when ``rate`` is a string
-            or function.
+        key, cost, algorithm, align, adapt, fair_key, fair_weight: as for
+            :class:`Limit`, when ``rate`` is a string or function.
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).
 
@@ -54,12 +65,30 @@ def ratelimit(
     """
     if isinstance(rate, str) or (callable(rate) and not isinstance(rate, (Limit, Concurrency))):
         limits = to_limits(
-            Limit(rate, key=key, cost=cost, algorithm=algorithm, align=align, adapt=adapt)  # type: ignore[arg-type]
+            Limit(
+                rate,
+                key=key,
+                cost=cost,
+                algorithm=algorithm,  # type: ignore[arg-type]
+                align=align,
+                adapt=adapt,
+                fair_key=fair_key,
+                fair_weight=fair_weight,
+            )
         )
     else:
-        if key is not None or cost != 1 or algorithm != "log" or align is not None or adapt:
+        if (
+            key is not None
+            or cost != 1
+            or algorithm != "log"
+            or align is not None
+            or adapt
+            or fair_key is not None
+            or fair_weight != 1
+        ):
             raise TypeError(
-                "key, cost, algorithm, align and adapt apply to a rate string; put them in "
+                "key, cost, algorithm, align, adapt, fair_key and fair_weight apply to a rate "
+                "string; put them in "
                 "the Limit"
             )
         limits = to_limits(rate)
