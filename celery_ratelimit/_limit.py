@@ -51,6 +51,21 @@ def check_weight(weight: object, where: str = "fair_weight") -> float:
     return float(weight)
 
 
+def _fair_fields(fair_key: object, what: str) -> tuple[str, ...]:
+    """The argument names a ``fair_key`` template refers to (none for a callable).
+
+    Raises:
+        InvalidLimit: an empty or bad template. TypeError: neither a string nor a callable.
+    """
+    if fair_key is None or callable(fair_key):
+        return ()
+    if not isinstance(fair_key, str):
+        raise TypeError(f"{what} fair_key must be a string, a callable or None, got {fair_key!r}")
+    if not fair_key:
+        raise InvalidLimit(f"{what} fair_key must not be empty")
+    return template_fields(fair_key)
+
+
 #: Characters that stay as they are in a template's literal text and that an argument
 #: value can never contain unescaped (values keep only ``[A-Za-z0-9_.@-]``, literals
 #: escape ``{}%#``; see ``_keys``): one of them must separate two fields.
@@ -247,14 +262,7 @@ class Limit:
             if isinstance(self.rate, Rate):
                 check_window(self.rate.window_us, self.rate)
         if self.fair_key is not None:
-            if isinstance(self.fair_key, str):
-                if not self.fair_key:
-                    raise InvalidLimit("Limit fair_key must not be empty")
-                object.__setattr__(self, "fair_fields", template_fields(self.fair_key))
-            elif not callable(self.fair_key):
-                raise TypeError(
-                    f"Limit fair_key must be a string, a callable or None, got {self.fair_key!r}"
-                )
+            object.__setattr__(self, "fair_fields", _fair_fields(self.fair_key, "Limit"))
             if self.align is not None or self.algorithm != "log":
                 raise InvalidLimit(
                     f"Limit fair_key {self.fair_key!r} needs reserved slots: the log "
@@ -328,9 +336,11 @@ class Concurrency:
             body runs). Default: the task's ``time_limit``, else the setting
             ``ratelimit_concurrency_lease`` (300 s); outside Celery 300 s.
         name: a label for logs and metrics; defaults to ``key@n at once``.
+        fair_key, fair_weight: as a :class:`Limit`'s: turns go to the waiting values
+            of ``fair_key`` in proportion to their weights, not in arrival order.
 
     Raises:
-        InvalidLimit: ``n`` or ``lease`` not positive, a bad template or name.
+        InvalidLimit: ``n`` or ``lease`` not positive, a bad template, name or weight.
         TypeError: ``n`` not an int, a key of the wrong type.
 
     Example::
@@ -342,15 +352,15 @@ class Concurrency:
     key: str | KeyFunc | None
     lease: float | None
     name: str | None
+    fair_key: str | KeyFunc | None
+    fair_weight: float | WeightFunc
     fields: tuple[str, ...] = field(repr=False, compare=False)
+    fair_fields: tuple[str, ...] = field(repr=False, compare=False)
     #: what the rest of the library reads off any limit
     cost = 1
     algorithm = kind = "conc"
     on_redis_error = None
     adapt = False
-    fair_key = None
-    fair_weight = 1.0
-    fair_fields = ()
 
     def __init__(
         self,
@@ -360,6 +370,8 @@ class Concurrency:
         lease: float | None = None,
         name: str | None = None,
         adapt: bool = False,
+        fair_key: str | KeyFunc | None = None,
+        fair_weight: float | WeightFunc = 1,
     ) -> None:
         if adapt is not False:
             raise InvalidLimit(
@@ -389,6 +401,11 @@ class Concurrency:
         set_(self, "lease", None if lease is None else float(lease))
         set_(self, "name", name)
         set_(self, "fields", template_fields(key) if isinstance(key, str) else ())
+        set_(self, "fair_key", fair_key)
+        set_(
+            self, "fair_weight", fair_weight if callable(fair_weight) else check_weight(fair_weight)
+        )
+        set_(self, "fair_fields", _fair_fields(fair_key, f"Concurrency({n!r}, key={key!r})"))
 
     @property
     def label(self) -> str:
@@ -447,11 +464,11 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
         limits.append(item)
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
-    fair = [limit for limit in limits if limit.fair_key is not None]
+    fair = [limit for limit in [*limits, *slots] if limit.fair_key is not None]
     if fair and len(limits) + len(slots) > 1:
         raise InvalidLimit(
             f"{what}: {fair[0].label} has a fair_key, and fair shares are kept for a call "
-            "of one Limit: it cannot be stacked with other limits"
+            "of one Limit or Concurrency: it cannot be stacked with other limits"
         )
     aligned = [limit for limit in limits if limit.align is not None]
     sliding = [limit for limit in limits if limit.align is None]

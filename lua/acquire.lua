@@ -86,6 +86,10 @@ if status == 2 and c.fair and #ks == 1 and not lib then
   slot = fair_place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
     math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
   if slot - now <= c.hold then status = 6 end
+elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
+  -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
+  local cc = c.concs[1]
+  slot = fair_place(c.fair, nil, cc.w, c.token, 1, at, now, math.max(redis.call('PTTL', cc.h), 60000))
 end
 if status == 2 then
   for _, k in ipairs(ks) do log_pend(k, slot, now) end

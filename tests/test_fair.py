@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_ratelimit import InvalidLimit, Limit, Limiter, ratelimit
+from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter, ratelimit
 from celery_ratelimit._fair import place_of, waiting_by_value
 from celery_ratelimit._layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
 from celery_ratelimit._limit import to_limits
@@ -125,3 +125,18 @@ def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(limiter: Lim
     seconds, micros = limiter.client.time()
     place = place_of(limiter.client, key, "B", 1.0, 1, seconds * 1_000_000 + micros)
     assert (place.ahead, place.waiting) == (2, 10)  # A tagged 1 and 2, B 2: after them
+
+
+def test_concurrency_turns_go_to_the_waiting_tenants_in_turn(limiter: Limiter) -> None:
+    slots = Concurrency(2, key="erp", fair_key="{tenant}")
+    for tenant in ["A"] * 12 + ["B"] * 3:
+        d = limiter.acquire("erp", slots, reserve=True, fair=tenant)
+        assert d.allowed or d.reserved
+    key = limiter.keys_for("erp", slots)[0]
+    order = _order(limiter, key)  # the waiters, in the order of their turns
+    assert sorted(order) == ["A"] * 10 + ["B"] * 3  # nobody lost, nobody twice
+    for k in range(1, 4):
+        before = order[: _nth(order, "B", k)].count("A")
+        assert before <= k + 1, f"B's call {k} waits behind {before} of A's: {order}"
+    with pytest.raises(ValueError, match="fair_weight must be a positive finite number"):
+        Concurrency(2, key="erp", fair_key="{tenant}", fair_weight=math.nan)

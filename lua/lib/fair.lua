@@ -65,8 +65,8 @@ end
 -- The slot the call `member` (cost `cost`, placed at `at` and written there in the log
 -- `key` whose pending set is `pending`) takes under the fair queue `fair`, and the
 -- queue's writes: its own tag, and the swap with the call D it goes ahead of (D's log
--- entry and pending slot moved to `at`). `ttl_ms`: how long the
--- queue is kept (as the pending set).
+-- entry and pending slot moved to `at`). `ttl_ms`: how long the queue is kept (as the
+-- pending set). A Concurrency's turns: `pending` is its waiters, `key` nil (no log).
 local function fair_place(fair, key, pending, member, cost, at, now, ttl_ms)
   local first = redis.call('ZRANGEBYSCORE', pending, '(' .. fair_us(now), '+inf', 'LIMIT', 0, 1)
   if #first == 0 then redis.call('DEL', fair.tags, fair.state) end
@@ -95,7 +95,7 @@ local function fair_place(fair, key, pending, member, cost, at, now, ttl_ms)
     or redis.call('HGET', fair.state, 'm:' .. d) == fair.value then
     return at
   end
-  redis.call('ZADD', key, slot, member, at, d)
+  if key then redis.call('ZADD', key, slot, member, at, d) end
   redis.call('ZADD', pending, at, d)
   return slot
 end
