@@ -464,7 +464,8 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
         limits.append(item)
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
-    fair = [limit for limit in [*limits, *slots] if limit.fair_key is not None]
+    every: list[Limit | Concurrency] = [*limits, *slots]
+    fair = [limit for limit in every if limit.fair_key is not None]
     if fair and len(limits) + len(slots) > 1:
         raise InvalidLimit(
             f"{what}: {fair[0].label} has a fair_key, and fair shares are kept for a call "
