@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter, ratelimit
+from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter, RateLimitedTask, ratelimit
+from celery_ratelimit._explain import explain, format_explanation
 from celery_ratelimit._fair import place_of, waiting_by_value
 from celery_ratelimit._layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
 from celery_ratelimit._limit import to_limits
+from celery_ratelimit._ops import format_status, status
 from celery_ratelimit._plan import plan_for
 from tests.nodes import max_in_window
 
@@ -98,6 +100,8 @@ def test_a_tenant_behind_a_backlog_takes_every_other_slot_and_no_window_overflow
         before = order[: _nth(order, "B", k)].count("A")
         assert before <= k + 1, f"B's call {k} is placed after {before} of A's: {order}"
     assert waiting_by_value(limiter.client, key) == {"A": 35, "B": 3}
+    lines = format_status(status(limiter), limiter.prefix, "redis://test")
+    assert "waiting on provider by fair key: A 35, B 3" in lines
 
 
 def _nth(order: list[str], tenant: str, k: int) -> int:
@@ -115,7 +119,9 @@ def test_weights_three_to_one_share_the_slots_three_to_one_while_both_wait(
     assert abs(share["A"] / len(both) - 0.75) <= 0.1, f"shares {dict(share)} of {order}"
 
 
-def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(limiter: Limiter) -> None:
+def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(
+    limiter: Limiter, redis_url: str
+) -> None:
     limit = Limit("5/s", key="provider", fair_key="{tenant}")
     for _ in range(5):
         assert limiter.acquire("provider", limit, reserve=True, fair="A").allowed
@@ -125,6 +131,14 @@ def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(limiter: Lim
     seconds, micros = limiter.client.time()
     place = place_of(limiter.client, key, "B", 1.0, 1, seconds * 1_000_000 + micros)
     assert (place.ahead, place.waiting) == (2, 10)  # A tagged 1 and 2, B 2: after them
+    app = Celery("fair-explain", set_as_current=False)
+    app.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix=limiter.prefix)
+
+    @app.task(base=RateLimitedTask, ratelimit=limit, shared=False, name="call")
+    def call(tenant: str) -> None: ...
+
+    lines = format_explanation(explain(app, "call", ["B"]))
+    assert any("2 of them" in line and "key B (weight 1)" in line for line in lines), lines
 
 
 def test_concurrency_turns_go_to_the_waiting_tenants_in_turn(limiter: Limiter) -> None:
