@@ -17,7 +17,7 @@ from ._decision import Decision
 from ._exceptions import InvalidLimit, RateLimitError
 from ._failures import check_versions, translate
 from ._headers import parse
-from ._layout import companions, key_glob, keys_among
+from ._layout import key_glob, keys_among, stored_with
 from ._limit import LimitSpec, to_limits
 from ._limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from ._rate import Rate
@@ -185,7 +185,7 @@ class AsyncLimiter(LimiterBase):
                 keys = self.keys_for(key, limits)
             deleted = []
             for k in keys:
-                await self.client.delete(*companions(k))
+                await self.client.delete(*stored_with(k))
                 if await self.client.delete(k):
                     deleted.append(k)
             return deleted

@@ -170,6 +170,12 @@ def companions(redis_key: str) -> list[str]:
     return [redis_key + PENDING]
 
 
+def stored_with(redis_key: str) -> list[str]:
+    """Every key that goes with a limit's key and goes when it is reset: its
+    :func:`companions` and a fair limit's queue (:data:`FAIR_TAGS`, :data:`FAIR_STATE`)."""
+    return [*companions(redis_key), redis_key + FAIR_TAGS, redis_key + FAIR_STATE]
+
+
 @dataclass(frozen=True)
 class KeyName:
     """A Redis key split into the logical key, the algorithm and the window."""

@@ -13,7 +13,7 @@ from ._decision import Decision
 from ._exceptions import LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
 from ._headers import Observation, parse
-from ._layout import companions, keys_of
+from ._layout import keys_of, stored_with
 from ._limit import LimitSpec, to_limits
 from ._rate import Rate
 from ._scripts import DEFAULT_HORIZON, shape
@@ -371,7 +371,7 @@ class Limiter(LimiterBase):
                 keys = self.keys_for(key, limits)
             deleted = []
             for k in keys:
-                self.client.delete(*companions(k))
+                self.client.delete(*stored_with(k))
                 if self.client.delete(k):
                     deleted.append(k)
             return deleted

@@ -102,6 +102,8 @@ def test_a_tenant_behind_a_backlog_takes_every_other_slot_and_no_window_overflow
     assert waiting_by_value(limiter.client, key) == {"A": 35, "B": 3}
     lines = format_status(status(limiter), limiter.prefix, "redis://test")
     assert "waiting on provider by fair key: A 35, B 3" in lines
+    limiter.reset("provider", limit)
+    assert not limiter.client.exists(key + FAIR_TAGS, key + FAIR_STATE, key + PENDING)
 
 
 def _nth(order: list[str], tenant: str, k: int) -> int:
