@@ -7,6 +7,7 @@ depend on how fast the machine is, only on the order the calls came in.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from typing import Any
@@ -14,7 +15,15 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter, RateLimitedTask, ratelimit
+from celery_ratelimit import (
+    AsyncLimiter,
+    Concurrency,
+    InvalidLimit,
+    Limit,
+    Limiter,
+    RateLimitedTask,
+    ratelimit,
+)
 from celery_ratelimit._explain import explain, format_explanation
 from celery_ratelimit._fair import place_of, waiting_by_value
 from celery_ratelimit._layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
@@ -156,3 +165,21 @@ def test_concurrency_turns_go_to_the_waiting_tenants_in_turn(limiter: Limiter) -
         assert before <= k + 1, f"B's call {k} waits behind {before} of A's: {order}"
     with pytest.raises(ValueError, match="fair_weight must be a positive finite number"):
         Concurrency(2, key="erp", fair_key="{tenant}", fair_weight=math.nan)
+
+
+def test_the_async_limiter_places_a_call_as_the_sync_one_does(
+    redis_url: str, limiter: Limiter
+) -> None:
+    limit = Limit("5/s", key="provider", fair_key="{tenant}")
+    key = _reserve(limiter, limit, ["A"] * 10, {})
+
+    async def main() -> None:
+        lim = AsyncLimiter.from_url(redis_url, prefix=limiter.prefix)
+        try:
+            d = await lim.acquire("provider", limit, reserve=True, fair="B")
+            assert d.reserved
+        finally:
+            await lim.aclose()
+
+    asyncio.run(main())
+    assert _order(limiter, key) == ["A", "A", "B", "A", "A", "A"]  # 5 ran at once
