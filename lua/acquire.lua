@@ -89,7 +89,8 @@ if status == 2 and c.fair and #ks == 1 and not lib then
 elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
   -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
   local cc = c.concs[1]
-  slot = fair_place(c.fair, nil, cc.w, c.token, 1, at, now, math.max(redis.call('PTTL', cc.h), 60000))
+  local keep = math.max(redis.call('PTTL', cc.h), 60000)
+  slot = fair_place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
 end
 if status == 2 then
   for _, k in ipairs(ks) do log_pend(k, slot, now) end

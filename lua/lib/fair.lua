@@ -12,9 +12,9 @@
 -- slot order is the number of them. The slot at rank p (held by D, of the same cost)
 -- becomes the new call's, and D takes the slot the new call was placed at, the last:
 -- one call moves, not the whole backlog. D keeps its tag, so the calls placed after the
--- swap still count it ahead of them until V passes it. D's copy comes back at its old slot, is told
--- its slot moved (start.lua, status 3) and is published again for it: a swap costs one
--- limiter call and one message more, for D alone. A tenant starting to wait behind a
+-- swap still count it ahead of them until V passes it. D's copy comes back at its old
+-- slot, is told its slot moved (start.lua, status 3) and is published again for it: a
+-- swap costs one limiter call and one message more, for D alone. A tenant starting to wait behind a
 -- backlog of thousands so gets its k-th slot after about k * (sum of waiting weights) /
 -- its weight slots. Nobody else waiting (no future slot pending): the queue is reset
 -- and nothing moves. A call granted now never reaches this code.
