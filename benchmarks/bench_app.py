@@ -5,8 +5,8 @@ CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours 
 CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds), CRL_BENCH_SETTINGS
 (more ``app.conf`` settings, a JSON object), CRL_BENCH_FLOOD_RATE (the limit of
 ``flood``, default CRL_BENCH_RATE). Each task appends
-``"<started_us> <granted_us> <deferrals>"`` to ``bench:runs:<task>`` on the limiter's
-Redis.
+``"<started_us> <granted_us> <deferrals>"`` (then the tenant, for the fair-shares
+tasks) to ``bench:runs:<task>`` on the limiter's Redis.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _client: redis.Redis | None = None
 _held: HeldConnection | None = None
 
 
-def record(task: Any) -> int:
+def record(task: Any, tag: str = "") -> int:
     """The body's start, read from this process's clock moved to Redis time (the offset
     the library keeps; every node shares the machine's clock here). A ``TIME`` call
     would stamp when the limiter's redis-server answered: on a loaded VM that server
@@ -67,8 +67,33 @@ def record(task: Any) -> int:
     decision = getattr(task.request, "ratelimit_decision", None)
     granted = int(decision.at * 1_000_000) if decision else now
     deferrals = getattr(task.request, "ratelimit_deferrals", 0) or 0
-    _client.rpush(f"bench:runs:{task.name.rsplit('.', 1)[-1]}", f"{now} {granted} {deferrals}")
+    line = f"{now} {granted} {deferrals}" + (f" {tag}" if tag else "")
+    _client.rpush(f"bench:runs:{task.name.rsplit('.', 1)[-1]}", line)
     return now
+
+
+#: The fair-shares benchmark's weights (bench_fair): "heavy" counts three times.
+FAIR_WEIGHTS = {"heavy": 3}
+
+
+def fair_weight(tenant: str) -> float:
+    return FAIR_WEIGHTS.get(tenant, 1)
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Limit(RATE, key="fair", fair_key="{tenant}", fair_weight=fair_weight),
+    bind=True,
+)
+def fair_tenant(self: Any, tenant: str) -> None:
+    """Tenants sharing one budget in fair shares (bench_fair)."""
+    record(self, tenant)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="fifo"), bind=True)
+def fifo_tenant(self: Any, tenant: str) -> None:
+    """The same budget without a fair key: slots in arrival order (bench_fair's anchor)."""
+    record(self, tenant)
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="reserved"), bind=True)

@@ -17,7 +17,7 @@ from ._decision import Decision
 from ._exceptions import InvalidLimit, RateLimitError
 from ._failures import check_versions, translate
 from ._headers import parse
-from ._layout import companions, key_glob, keys_among
+from ._layout import key_glob, keys_among, stored_with
 from ._limit import LimitSpec, to_limits
 from ._limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from ._rate import Rate
@@ -70,10 +70,14 @@ class AsyncLimiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """As :meth:`Limiter.acquire`."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
-        return await self._decide(self._acquire_call(key, call, "reserve" if reserve else "now"))
+        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
+        how = "reserve" if reserve else "now"
+        return await self._decide(self._acquire_call(key, call, how, fair=fairly))
 
     async def peek(
         self,
@@ -99,6 +103,8 @@ class AsyncLimiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """As :meth:`Limiter.confirm`: start the call holding the reservation ``token``."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
@@ -106,7 +112,8 @@ class AsyncLimiter(LimiterBase):
         decision = self._decision(started, await self._script_reply(started))
         if decision is None:
             # the reservation was already started on: compete as a new call
-            return await self._decide(self._acquire_call(key, call, "reserve"))
+            fairly = self.fair_of(key, call.limits, fair, fair_weight)
+            return await self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
         return decision
 
     async def release(
@@ -178,7 +185,7 @@ class AsyncLimiter(LimiterBase):
                 keys = self.keys_for(key, limits)
             deleted = []
             for k in keys:
-                await self.client.delete(*companions(k))
+                await self.client.delete(*stored_with(k))
                 if await self.client.delete(k):
                     deleted.append(k)
             return deleted

@@ -13,8 +13,8 @@ from ._decision import TOKEN_BYTES, Decision, parse_token, token_of
 from ._exceptions import InvalidLimit
 from ._headers import Budget, Observation
 from ._keys import escape_key
-from ._layout import redis_key, script_keys, settings_key, settings_of
-from ._limit import Concurrency, Limit, LimitSpec, describe, to_limits
+from ._layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
+from ._limit import Concurrency, Limit, LimitSpec, check_weight, describe, to_limits
 from ._rate import Rate
 from ._scripts import MAX_HORIZON, NAMES, Shape, shape, source
 from ._upstream import seconds_from
@@ -152,12 +152,63 @@ class LimiterBase:
         return ScriptCall(script, keys, args, shape.limits, shape.costs)
 
     def _acquire_call(
-        self, key: str | Sequence[str], shape: Shape, how: str, redis_keys: list[str] | None = None
+        self,
+        key: str | Sequence[str],
+        shape: Shape,
+        how: str,
+        redis_keys: list[str] | None = None,
+        fair: tuple[str, float] | None = None,
     ) -> ScriptCall:
         """The call of an acquisition: ``how`` is ``"now"``, ``"reserve"`` or ``"peek"``
-        (the counter reserves nothing: it counts now or denies)."""
+        (the counter reserves nothing: it counts now or denies); ``fair``: the call's
+        fair-key value (escaped) and weight (see :meth:`fair_of`)."""
         script = "counter" if _counter(shape.limits) else "acquire"
-        return self._decision_call(script, how, key, shape, redis_keys=redis_keys)
+        call = self._decision_call(script, how, key, shape, redis_keys=redis_keys)
+        if fair is None or how != "reserve" or script != "acquire":
+            return call
+        log = call.keys[0]
+        return call._replace(
+            keys=[*call.keys, log + FAIR_TAGS, log + FAIR_STATE],
+            args=[*call.args, fair[0], repr(fair[1])],
+        )
+
+    @staticmethod
+    def fair_of(
+        key: str | Sequence[str],
+        limits: tuple[Any, ...],
+        fair: str | None,
+        fair_weight: float | None,
+    ) -> tuple[str, float] | None:
+        """A direct call's fair-key value (escaped) and weight: ``fair`` or the Limit's
+        plain ``fair_key``, ``fair_weight`` or the Limit's numeric one; None when the
+        limits have no fair key. With escaped keys (a list, as the Celery layer gives
+        them), ``fair`` is escaped already.
+
+        Raises:
+            InvalidLimit: a bad weight, a template fair_key without ``fair``.
+        """
+        limit = next((one for one in limits if getattr(one, "fair_key", None)), None)
+        if limit is None:
+            if fair is not None:
+                raise InvalidLimit(f"fair={fair!r} needs a Limit with a fair_key")
+            return None
+        if fair is None:
+            if not isinstance(limit.fair_key, str) or limit.fair_fields:
+                raise InvalidLimit(
+                    f"Limit fair_key {limit.fair_key!r} is a template or a function; "
+                    "outside a task pass the call's value as acquire(..., fair=...)"
+                )
+            fair = limit.fair_key
+        if not isinstance(fair, str) or not fair:
+            raise InvalidLimit(f"fair must be a non-empty string, got {fair!r}")
+        if fair_weight is None:
+            if callable(limit.fair_weight):
+                raise InvalidLimit(
+                    f"Limit fair_weight of {limit.label} is a function; outside a task "
+                    "pass the call's weight as acquire(..., fair_weight=...)"
+                )
+            fair_weight = limit.fair_weight
+        return fair if not isinstance(key, str) else escape_key(fair), check_weight(fair_weight)
 
     def _start_call(
         self, token: str, key: str | Sequence[str], shape: Shape, reserved: bool

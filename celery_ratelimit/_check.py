@@ -94,6 +94,7 @@ class Check:
         self.task, self.plan, self.args, self.kwargs = task, plan, args, kwargs
         self.request = task.request
         self.keys, self.costs, self.limits = plan.resolve(args, kwargs)
+        self.fair = plan.fair(args, kwargs)
         here = _process_settings(task)
         self.limiter = here.limiter
         self.metrics = here.metrics  # None unless ratelimit_metrics is on
@@ -134,12 +135,15 @@ class Check:
         }
         self.sent = time.monotonic()
         sent = time.time()
+        fair: dict[str, Any] = {}
+        if self.fair is not None:
+            fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
         if token is None:
-            decision = limiter.acquire(keys, limits, costs, reserve=reserve, **options)
+            decision = limiter.acquire(keys, limits, costs, reserve=reserve, **options, **fair)
         elif restamp:
             decision = limiter.restamp(token, keys, limits, costs, **options)
         else:
-            decision = limiter.confirm(token, keys, limits, costs, **options)
+            decision = limiter.confirm(token, keys, limits, costs, **options, **fair)
         answered = time.time()
         observe(decision, sent, answered)
         if self.metrics is not None:

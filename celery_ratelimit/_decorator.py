@@ -9,7 +9,16 @@ from celery import Task, current_app, signals
 from celery.local import PromiseProxy, Proxy
 
 from . import _compat
-from ._limit import Concurrency, CostFunc, KeyFunc, Limit, LimitSpec, RateFunc, to_limits
+from ._limit import (
+    Concurrency,
+    CostFunc,
+    KeyFunc,
+    Limit,
+    LimitSpec,
+    RateFunc,
+    WeightFunc,
+    to_limits,
+)
 from ._plan import check_function_fields
 from ._settings import setting
 from ._task import wrap_before_start
@@ -28,17 +37,19 @@ def ratelimit(
     align: str | None = None,
     adapt: bool = False,
     burst: int | None = None,
+    fair_key: str | KeyFunc | None = None,
+    fair_weight: float | WeightFunc = 1,
     **options: Any,
 ) -> Callable[[T], T]:
     """Decorate a Celery task (placed above ``@app.task`` or ``@shared_task``).
 
     Args:
         rate: a rate string or a rate function (then ``key``, ``cost``,
-            ``algorithm``, ``align``, ``adapt`` and ``burst`` build the :class:`Limit`), a
-            :class:`Limit`, a :class:`Concurrency`, or a list of them (checked all or
-            nothing).
-        key, cost, algorithm, align, adapt, burst: as for :class:`Limit`, when ``rate``
-            is a string or function.
+            ``algorithm``, ``align``, ``adapt``, ``burst``, ``fair_key`` and
+            ``fair_weight`` build the :class:`Limit`), a :class:`Limit`, a
+            :class:`Concurrency`, or a list of them (checked all or nothing).
+        key, cost, algorithm, align, adapt, burst, fair_key, fair_weight: as for
+            :class:`Limit`, when ``rate`` is a string or function.
         max_countdown, max_deferrals, reserve, on_redis_error: this task's
             ``ratelimit_*`` options (see the settings in README).
 
@@ -64,14 +75,25 @@ def ratelimit(
                 align=align,
                 adapt=adapt,
                 burst=burst,
+                fair_key=fair_key,
+                fair_weight=fair_weight,
             )
         )
     else:
-        given = (key, cost != 1, algorithm != "log", align, adapt, burst)
+        given = (
+            key,
+            cost != 1,
+            algorithm != "log",
+            align,
+            adapt,
+            burst,
+            fair_key,
+            fair_weight != 1,
+        )
         if any(value not in (None, False) for value in given):
             raise TypeError(
-                "key, cost, algorithm, align, adapt and burst apply to a rate string; put "
-                "them in the Limit"
+                "key, cost, algorithm, align, adapt, burst, fair_key and fair_weight apply to "
+                "a rate string; put them in the Limit"
             )
         limits = to_limits(rate)
     attributes: dict[str, Any] = {"ratelimit": limits}

@@ -10,6 +10,7 @@ from typing import Any
 
 from ._decision import Decision
 from ._exceptions import InvalidLimit
+from ._fair import Place, place_of
 from ._keys import logical_key
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
@@ -51,6 +52,7 @@ class Explanation:
     decision: Decision | None = None
     error: str | None = None
     settings: list[KeySettings] = field(default_factory=list)
+    place: Place | None = None
 
 
 def parse_value(text: str) -> Any:
@@ -98,6 +100,7 @@ def explain(
         return result
     try:
         keys, costs, limits = plan.resolve(tuple(args), kwargs)
+        plan.fair(tuple(args), kwargs)
     except (InvalidLimit, TypeError) as exc:
         result.error = f"a worker would fail this call: {exc}"
         return result
@@ -120,6 +123,9 @@ def explain(
             (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
         )
         result.settings = key_settings(limiter)
+        fair = plan.fair(tuple(args), kwargs)
+        if fair is not None:
+            result.place = place_of(limiter.client, redis_keys[0], *fair, costs[0], now)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "explain") from exc
     finally:
@@ -189,6 +195,12 @@ def format_explanation(
         return lines
     keys = {item.key for item in e.limits}
     lines += format_settings([row for row in e.settings if row.key in keys])
+    if e.place is not None:
+        p = e.place
+        lines.append(
+            f"fair      key {p.value} (weight {p.weight:g}): {p.waiting} call(s) wait for a "
+            f"slot; one of this call's, if it must wait, is placed after {p.ahead} of them"
+        )
     if d.allowed:
         lines.append(f"decision  allowed now ({d.remaining} free before this call)")
     else:

@@ -71,6 +71,10 @@ PACE_FIELD = "t"
 PENDING = ":r"
 #: Suffix of a concurrency limit's starts.
 STARTS = ":s"
+#: Suffixes of a fair limit's log key: its queue of waiting calls' tags (``value|member``
+#: -> tag) and its state hash (``""`` -> virtual time, ``"f:" + value`` -> finish tag).
+FAIR_TAGS = ":q"
+FAIR_STATE = ":v"
 #: The meta member of a concurrency limit's holders: the average time a body held a slot.
 AVERAGE = ""
 #: Prefix of a calendar key's meta member for a window: ``"#" + its start`` (µs).
@@ -170,6 +174,12 @@ def companions(redis_key: str) -> list[str]:
     if redis_key.endswith(":conc:0"):
         return [redis_key + STARTS, redis_key + PENDING]
     return [redis_key + PENDING]
+
+
+def stored_with(redis_key: str) -> list[str]:
+    """Every key that goes with a limit's key and goes when it is reset: its
+    :func:`companions` and a fair limit's queue (:data:`FAIR_TAGS`, :data:`FAIR_STATE`)."""
+    return [*companions(redis_key), redis_key + FAIR_TAGS, redis_key + FAIR_STATE]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ RedisErrorPolicy = Literal["defer", "allow", "raise"]
 KeyFunc = Callable[..., object]
 CostFunc = Callable[..., int]
 RateFunc = Callable[..., "str | Rate"]
+WeightFunc = Callable[..., float]
 
 ALGORITHMS: tuple[str, ...] = ("log", "counter")
 REDIS_ERROR_POLICIES: tuple[str, ...] = ("defer", "allow", "raise")
@@ -34,6 +36,34 @@ def check_cost(cost: object, where: str = "cost") -> int:
     if cost < 1:
         raise InvalidLimit(f"{where} must be a positive int, got {cost!r}")
     return cost
+
+
+def check_weight(weight: object, where: str = "fair_weight") -> float:
+    """Return ``weight`` as a float if it is a positive finite number (not a bool).
+
+    Raises:
+        InvalidLimit: ``weight`` is not a number, or is zero, negative, NaN or infinite.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise InvalidLimit(f"{where} must be a positive number, got {weight!r}")
+    if not (math.isfinite(weight) and weight > 0):
+        raise InvalidLimit(f"{where} must be a positive finite number, got {weight!r}")
+    return float(weight)
+
+
+def _fair_fields(fair_key: object, what: str) -> tuple[str, ...]:
+    """The argument names a ``fair_key`` template refers to (none for a callable).
+
+    Raises:
+        InvalidLimit: an empty or bad template. TypeError: neither a string nor a callable.
+    """
+    if fair_key is None or callable(fair_key):
+        return ()
+    if not isinstance(fair_key, str):
+        raise TypeError(f"{what} fair_key must be a string, a callable or None, got {fair_key!r}")
+    if not fair_key:
+        raise InvalidLimit(f"{what} fair_key must not be empty")
+    return template_fields(fair_key)
 
 
 #: Characters that stay as they are in a template's literal text and that an argument
@@ -108,12 +138,20 @@ class Limit:
             units at once, then no faster than one unit per W/L (GCRA), besides at
             most L in any window; a backlog's reserved slots come one W/L apart. None
             (default): the window alone, so the whole limit may start at once.
+        fair_key: who shares the budget fairly when calls must wait (a template of the
+            call's arguments such as ``"{tenant}"``, or a callable of them): waiting
+            calls take the next slots in proportion to their values' ``fair_weight``,
+            not in arrival order (see docs/design.md, "Fair shares").
+        fair_weight: a positive number, or a callable of ``(*args, **kwargs)`` returning
+            one (priority classes: ``{"interactive": 9, "batch": 1}.get``).
 
     Raises:
         InvalidRate: ``rate`` cannot be parsed.
         InvalidLimit: a bad template, algorithm, policy, zone, a cost above the limit,
-            an aligned rate that is not per day, hour or minute, or a burst that is not
-            a positive int at most the limit (or is given with ``align``).
+            an aligned rate that is not per day, hour or minute, a burst that is not a
+            positive int at most the limit (or is given with ``align``), a
+            ``fair_weight`` not a positive finite number, or a ``fair_key`` on an aligned
+            or counter limit.
         TypeError: a cost that is not an int (or is a bool), a key of the wrong type.
 
     Example::
@@ -130,7 +168,10 @@ class Limit:
     align: str | None
     adapt: bool
     burst: int | None
+    fair_key: str | KeyFunc | None
+    fair_weight: float | WeightFunc
     fields: tuple[str, ...] = field(repr=False, compare=False)
+    fair_fields: tuple[str, ...] = field(repr=False, compare=False)
 
     def __init__(
         self,
@@ -144,6 +185,8 @@ class Limit:
         align: str | None = None,
         adapt: bool = False,
         burst: int | None = None,
+        fair_key: str | KeyFunc | None = None,
+        fair_weight: float | WeightFunc = 1,
     ) -> None:
         if not isinstance(adapt, bool):
             raise TypeError(f"Limit adapt must be True or False, got {adapt!r}")
@@ -158,6 +201,11 @@ class Limit:
         set_(self, "on_redis_error", on_redis_error)
         set_(self, "name", name)
         set_(self, "fields", ())
+        set_(self, "fair_key", fair_key)
+        set_(
+            self, "fair_weight", fair_weight if callable(fair_weight) else check_weight(fair_weight)
+        )
+        set_(self, "fair_fields", ())
         self._validate()
 
     def __hash__(self) -> int:
@@ -185,6 +233,8 @@ class Limit:
             self.align,
             self.adapt,
             self.burst,
+            self.fair_key,
+            self.fair_weight,
         )
 
     @property
@@ -223,6 +273,13 @@ class Limit:
                 check_window(self.rate.window_us, self.rate)
         if self.burst is not None:
             self._check_burst()
+        if self.fair_key is not None:
+            object.__setattr__(self, "fair_fields", _fair_fields(self.fair_key, "Limit"))
+            if self.align is not None or self.algorithm != "log":
+                raise InvalidLimit(
+                    f"Limit fair_key {self.fair_key!r} needs reserved slots: the log "
+                    "algorithm, not an aligned or counter limit"
+                )
         with contextlib.suppress(TypeError):  # an unhashable callable key or cost:
             self.__dict__["_hash"] = hash(self._identity())  # hashing it raises, as ever
 
@@ -282,6 +339,8 @@ class Limit:
             align=self.align,
             adapt=self.adapt,
             burst=self.burst,
+            fair_key=self.fair_key,
+            fair_weight=self.fair_weight,
         )
 
 
@@ -305,9 +364,11 @@ class Concurrency:
             body runs). Default: the task's ``time_limit``, else the setting
             ``ratelimit_concurrency_lease`` (300 s); outside Celery 300 s.
         name: a label for logs and metrics; defaults to ``key@n at once``.
+        fair_key, fair_weight: as a :class:`Limit`'s: turns go to the waiting values
+            of ``fair_key`` in proportion to their weights, not in arrival order.
 
     Raises:
-        InvalidLimit: ``n`` or ``lease`` not positive, a bad template or name.
+        InvalidLimit: ``n`` or ``lease`` not positive, a bad template, name or weight.
         TypeError: ``n`` not an int, a key of the wrong type.
 
     Example::
@@ -319,7 +380,10 @@ class Concurrency:
     key: str | KeyFunc | None
     lease: float | None
     name: str | None
+    fair_key: str | KeyFunc | None
+    fair_weight: float | WeightFunc
     fields: tuple[str, ...] = field(repr=False, compare=False)
+    fair_fields: tuple[str, ...] = field(repr=False, compare=False)
     #: what the rest of the library reads off any limit
     cost = 1
     algorithm = kind = "conc"
@@ -334,6 +398,8 @@ class Concurrency:
         lease: float | None = None,
         name: str | None = None,
         adapt: bool = False,
+        fair_key: str | KeyFunc | None = None,
+        fair_weight: float | WeightFunc = 1,
     ) -> None:
         if adapt is not False:
             raise InvalidLimit(
@@ -363,6 +429,11 @@ class Concurrency:
         set_(self, "lease", None if lease is None else float(lease))
         set_(self, "name", name)
         set_(self, "fields", template_fields(key) if isinstance(key, str) else ())
+        set_(self, "fair_key", fair_key)
+        set_(
+            self, "fair_weight", fair_weight if callable(fair_weight) else check_weight(fair_weight)
+        )
+        set_(self, "fair_fields", _fair_fields(fair_key, f"Concurrency({n!r}, key={key!r})"))
 
     @property
     def label(self) -> str:
@@ -421,6 +492,13 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
         limits.append(item)
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
+    every: list[Limit | Concurrency] = [*limits, *slots]
+    fair = [limit for limit in every if limit.fair_key is not None]
+    if fair and len(limits) + len(slots) > 1:
+        raise InvalidLimit(
+            f"{what}: {fair[0].label} has a fair_key, and fair shares are kept for a call "
+            "of one Limit or Concurrency: it cannot be stacked with other limits"
+        )
     aligned = [limit for limit in limits if limit.align is not None]
     sliding = [limit for limit in limits if limit.align is None]
     algorithms = {limit.algorithm for limit in sliding}
@@ -453,6 +531,7 @@ __all__ = [
     "Limit",
     "LimitSpec",
     "check_cost",
+    "check_weight",
     "describe",
     "rate_algorithm",
     "template_fields",

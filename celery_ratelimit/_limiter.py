@@ -13,7 +13,7 @@ from ._decision import Decision
 from ._exceptions import LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
 from ._headers import Observation, parse
-from ._layout import companions, keys_of
+from ._layout import keys_of, stored_with
 from ._limit import LimitSpec, to_limits
 from ._rate import Rate
 from ._scripts import DEFAULT_HORIZON, shape
@@ -88,6 +88,8 @@ class Limiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """Count ``cost`` against every limit for ``key`` now, if all of them allow it.
 
@@ -107,6 +109,10 @@ class Limiter(LimiterBase):
                 (``ratelimit_guard``, and the longest wait it makes in-process): see
                 docs/design.md. ``lease``: seconds a concurrency slot is held when its
                 limit gives no lease.
+            fair, fair_weight: for a Limit with a ``fair_key``, the call's value of it
+                (its plain ``fair_key`` when not given) and its weight (the Limit's
+                when not given): a reservation takes its place among the waiting calls
+                by weighted fair shares (docs/design.md, "Fair shares").
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
@@ -115,7 +121,9 @@ class Limiter(LimiterBase):
                 its version): the message names the fix.
         """
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
-        return self._decide(self._acquire_call(key, call, "reserve" if reserve else "now"))
+        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
+        how = "reserve" if reserve else "now"
+        return self._decide(self._acquire_call(key, call, how, fair=fairly))
 
     def peek(
         self,
@@ -143,6 +151,8 @@ class Limiter(LimiterBase):
         guard: float = 0.0,
         hold: float = 0.0,
         lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> Decision:
         """Start the call holding the reservation ``token`` (from ``acquire(...,
         reserve=True)``).
@@ -159,7 +169,8 @@ class Limiter(LimiterBase):
         started = self._start_call(token, key, call, reserved=True)
         decision = self._decision(started, self._script_reply(started))
         if decision is None:
-            return self._decide(self._acquire_call(key, call, "reserve"))
+            fairly = self.fair_of(key, call.limits, fair, fair_weight)
+            return self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
         return decision
 
     def restamp(
@@ -360,7 +371,7 @@ class Limiter(LimiterBase):
                 keys = self.keys_for(key, limits)
             deleted = []
             for k in keys:
-                self.client.delete(*companions(k))
+                self.client.delete(*stored_with(k))
                 if self.client.delete(k):
                     deleted.append(k)
             return deleted

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
+from ._fair import waiting_by_value
 from ._keys import escape_key
 from ._layout import (
     COUNTER_FIELDS,
@@ -136,6 +137,7 @@ class KeyStatus:
     ``override``: the key's rate override of this window, in force (``Limiter.override``).
     ``pace_in``: for a paced limit (``burst=``), seconds until one more unit conforms to
     its pace (0: now), from the pace the key keeps.
+    ``waiting``: on a fair limit's key, how many calls of each fair-key value wait.
     """
 
     name: KeyName
@@ -150,6 +152,7 @@ class KeyStatus:
     ttl: float | None = None
     override: Rate | None = None
     pace_in: float | None = None
+    waiting: dict[str, int] = field(default_factory=dict)
 
 
 def pace_in(
@@ -185,6 +188,8 @@ def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
             oldest = score if oldest is None else min(oldest, score)
     if oldest is not None:
         status.oldest_leaves = (oldest + name.window_us - now) / 1_000_000
+    if status.reservations:
+        status.waiting = waiting_by_value(client, name.redis_key)
     return status
 
 
@@ -436,6 +441,10 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
     for r in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    for row in rows:
+        if row.waiting:
+            counts = ", ".join(f"{value} {n}" for value, n in row.waiting.items())
+            lines.append(f"waiting on {row.name.key} by fair key: {counts}")
     lines.append(
         "USED: weight counted in the window until now (ALG conc: bodies running); "
         "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 from ._compat import ProxyParts
 from ._exceptions import InvalidLimit, InvalidRate
-from ._keys import escape_key, render
-from ._limit import AnyLimit, Concurrency, Limit, check_cost, to_limits
+from ._keys import escape_key, logical_key, render
+from ._limit import AnyLimit, Concurrency, Limit, check_cost, check_weight, to_limits
 
 
 class Call(NamedTuple):
@@ -68,13 +68,7 @@ class Plan:
                 else:
                     keys.append(escape_key(key))
             else:
-                value = _call_user(key, f"key function of {limit.label}", args, kwargs)
-                if not isinstance(value, str) or not value:
-                    raise InvalidLimit(
-                        f"key function of {limit.label} returned {value!r}, expected a "
-                        "non-empty string"
-                    )
-                keys.append(escape_key(value))
+                keys.append(_key_of(key, f"key function of {limit.label}", args, kwargs))
             if isinstance(limit, Concurrency):
                 costs.append(1)  # a body holds one slot
                 continue
@@ -89,6 +83,34 @@ class Plan:
                 )
             costs.append(cost)
         return Call(tuple(keys), tuple(costs), tuple(limits))
+
+    def fair(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, float] | None:
+        """The fair-key value (escaped) and weight of this call, or None when no limit
+        has a ``fair_key``.
+
+        Raises:
+            InvalidLimit: the template names a missing argument, a fair_key or
+                fair_weight function raised, or returned an empty key or a weight that
+                is not a positive finite number (that task fails, the others go on).
+        """
+        limit = next((one for one in self.limits if getattr(one, "fair_key", None)), None)
+        if limit is None:
+            return None
+        key = limit.fair_key
+        if isinstance(key, str):
+            if limit.fair_fields:
+                value = logical_key(render(key, self._bind(args, kwargs), args))
+            else:
+                value = escape_key(key)
+        else:
+            value = _key_of(key, f"fair_key function of {limit.label}", args, kwargs)
+        weight = limit.fair_weight
+        if callable(weight):
+            what = f"fair_weight function of {limit.label}"
+            weight = check_weight(
+                _call_user(weight, what, args, kwargs), f"the weight {what} returned"
+            )
+        return value, weight
 
     def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         """The call's arguments by name, defaults applied; a ``**kwargs`` parameter's
@@ -117,6 +139,18 @@ def _rated(limit: Limit, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Li
         return limit.with_rate(value)
     except (InvalidRate, InvalidLimit) as exc:
         raise InvalidLimit(f"{what} returned {value!r}: {exc}") from None
+
+
+def _key_of(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The escaped key a key function gives for this call.
+
+    Raises:
+        InvalidLimit: the function raised, or returned an empty or non-string key.
+    """
+    value = _call_user(function, what, args, kwargs)
+    if not isinstance(value, str) or not value:
+        raise InvalidLimit(f"{what} returned {value!r}, expected a non-empty string")
+    return escape_key(value)
 
 
 def _call_user(function: Any, what: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -182,14 +216,17 @@ def check_fields(signature: inspect.Signature, limits: tuple[Limit, ...], name: 
         for kind in kinds
     )
     for limit in limits:
-        for field in limit.fields:
+        for field, template in [
+            *((one, limit.key) for one in limit.fields),
+            *((one, getattr(limit, "fair_key", None)) for one in getattr(limit, "fair_fields", ())),
+        ]:
             if field.isdigit():
                 possible = inspect.Parameter.VAR_POSITIONAL in kinds or int(field) < positions
             else:
                 possible = field in names or inspect.Parameter.VAR_KEYWORD in kinds
             if not possible:
                 raise InvalidLimit(
-                    f"key template {limit.key!r} of task {name} names argument {{{field}}}, "
+                    f"key template {template!r} of task {name} names argument {{{field}}}, "
                     f"which no call of it can have: its signature is {signature}"
                 )
 

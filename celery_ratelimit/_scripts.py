@@ -188,15 +188,16 @@ class Shape:
 
     @cached_property
     def paces(self) -> tuple[int | str, ...]:
-        """``"pace"`` and the burst of every sliding limit (0: none) when any is paced
+        """``"#pace"`` and the burst of every sliding limit (0: none) when any is paced
         (``Limit(burst=...)``, see ``lua/lib/pace.lua``); nothing when none is, so an
-        unpaced call sends what it always did."""
+        unpaced call sends what it always did. A fair-key value may follow: escaped,
+        it never holds a ``#``, so it is never taken for the marker."""
         bursts = [
             limit.burst or 0
             for limit in self.limits
             if not isinstance(limit, Concurrency) and limit.align is None
         ]
-        return ("pace", *bursts) if any(bursts) else ()
+        return ("#pace", *bursts) if any(bursts) else ()
 
     def arguments(self) -> list[int | str]:
         """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this

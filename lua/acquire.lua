@@ -20,6 +20,7 @@
 --- @include "lib/log_search.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"
+--- @include "lib/fair.lua"
 
 local c = read_call(KEYS, ARGV, true)
 local now, write = c.now, c.flag ~= 'peek'
@@ -81,10 +82,22 @@ end
 if denied_by ~= 0 and (c.flag ~= 'reserve' or at - now > c.horizon) then
   return answer(0, now, at - now, denied_by)
 end
-local status = 1
+local status, slot = 1, at
 if denied_by ~= 0 then status = (at - now > c.hold or not firm) and 2 or 6 end
-for _, k in ipairs(ks) do
-  log_add(k, at, now)
-  if status == 2 then log_pend(k, at, now) end
+for _, k in ipairs(ks) do log_add(k, at, now) end
+if status == 2 and c.fair and #ks == 1 and not lib then
+  -- a waiting call of a fair limit: its place among the waiting ones (lib/fair.lua)
+  local k = ks[1]
+  slot = fair_place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
+    math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
+  if slot - now <= c.hold then status = 6 end
+elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
+  -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
+  local cc = c.concs[1]
+  local keep = math.max(redis.call('PTTL', cc.h), 60000)
+  slot = fair_place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
 end
-return answer(status, at, at - now, denied_by)
+if status == 2 then
+  for _, k in ipairs(ks) do log_pend(k, slot, now) end
+end
+return answer(status, slot, slot - now, denied_by)

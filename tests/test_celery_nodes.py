@@ -29,7 +29,7 @@ from kombu import Connection
 from celery_ratelimit import Limit, Limiter, Rate, _settings
 from celery_ratelimit._check import ETA_MARGIN
 from celery_ratelimit._layout import PENDING
-from tests.apps.nodes import CAP, MATH, PUSHED, QUOTA
+from tests.apps.nodes import CAP, FAIR_RATE, MATH, PUSHED, QUOTA
 from tests.calls import RESTAMP, decide
 from tests.log_reader import entries as log_entries
 from tests.log_reader import sleep_until, us
@@ -298,6 +298,27 @@ def test_three_nodes_on_a_rabbitmq_broker_share_the_limit(
 
 
 # -- keys, costs, stacked limits -----------------------------------------------------
+
+
+def test_a_tenant_behind_another_tenants_backlog_gets_its_fair_share(nodes: Nodes) -> None:
+    """Tenant A's 40 tasks wait for a 5/s budget; tenant B's 3, sent after them, take
+    every other slot (fair shares, equal weights) instead of waiting for A's backlog."""
+    a_ids = [nodes.send("fair_tenant", "A", i).id for i in range(40)]
+    time.sleep(0.5)  # A's tasks have their slots
+    with nodes.redis() as client:
+        seconds, micros = client.time()
+    sent_b = int(seconds) * 1_000_000 + int(micros)
+    b_ids = [nodes.send("fair_tenant", "B", i).id for i in range(3)]
+    runs = nodes.wait_for_runs(a_ids + b_ids, timeout=40)
+    check_backlog(nodes, a_ids + b_ids, runs, FAIR_RATE, "fair shares")
+    a_grants = sorted(r["granted"] for r in runs if r["tenant"] == "A")
+    b_grants = sorted(r["granted"] for r in runs if r["tenant"] == "B")
+    for k, granted in enumerate(b_grants, 1):
+        before = sum(sent_b < t < granted for t in a_grants)
+        # its share: about one of A's slots before each of B's (k * 2 slots in all),
+        # and the slots held or promised within a window when B's call arrived
+        assert before <= 2 * k + 5, f"B's task {k} came after {before} of A's slots"
+    assert max(a_grants) > max(b_grants)  # B did not wait for A's backlog
 
 
 def test_two_tenants_at_the_same_limit_do_not_share_a_budget(nodes: Nodes) -> None:

@@ -165,8 +165,8 @@ def test_burst_none_sends_what_an_unpaced_call_always_sent() -> None:
     from celery_ratelimit._scripts import shape
 
     plain = shape((Limit("10/s"),), 1)
-    assert "pace" not in plain.arguments()
-    assert shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1).paces == ("pace", 2, 0)
+    assert "#pace" not in plain.arguments()
+    assert shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1).paces == ("#pace", 2, 0)
 
 
 def test_async_and_sync_limiters_share_one_pace(redis_url: str, limiter: Limiter) -> None:

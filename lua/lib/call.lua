@@ -8,6 +8,7 @@
 --   the sorted set of each calendar-aligned limit (na)
 --   holders, starts and waiters of each concurrency limit (3 * nc)
 --   the settings hash of each limit's key, in the same order (n + na + nc)
+--   a fair limit's queue, when the call has one: its tags and its state (lib/fair.lua)
 -- ARGV of a decision:
 --   1  token: 8 bytes, unique per call; the member the call's entries are written as
 --   2  the script's flag (see each script's header)
@@ -20,8 +21,10 @@
 --   then (limit, window µs, cost) of each sliding limit and of each aligned limit, the
 --   six window boundaries (µs) of each aligned limit (see lib/calendar.lua), and
 --   (most, lease µs) of each concurrency limit; when a sliding limit is paced, the
---   word "pace" and the burst of each sliding limit (0: not paced, see lib/pace.lua);
---   a settle adds, last, the weight each rate limit counted the call at.
+--   word "#pace" (no escaped fair-key value holds a #) and the burst of each sliding
+--   limit (0: not paced, see lib/pace.lua);
+--   a call with a fair queue adds its fair-key value and its weight; a settle adds,
+--   last, the weight each rate limit counted the call at.
 --
 -- Reply: {status, remaining, retry_after, reset_after, denied_by, at}, integers:
 --   status       0 denied, 1 allowed now, 2 reserved for `at`, 3 the reservation is
@@ -67,15 +70,21 @@ local function read_call(keys, argv, pending)
       lease = tonumber(argv[a + 1]), free = 0}
     k, a = k + 3, a + 2
   end
-  if argv[a] == 'pace' then
+  if argv[a] == '#pace' then
     for i = 1, n do
       local burst = tonumber(argv[a + i])
       if burst > 0 then c.logs[i].burst = burst end
     end
     a = a + n + 1
   end
-  for i = k, #keys do c.settings[#c.settings + 1] = keys[i] end
+  for i = k, k + n + na + nc - 1 do c.settings[#c.settings + 1] = keys[i] end
   c.rest = a  -- the first ARGV after the call's numbers
+  local q = k + n + na + nc
+  if keys[q] then
+    -- a fair queue (lib/fair.lua): its two keys last, its value and weight after the numbers
+    c.fair = {tags = keys[q], state = keys[q + 1], value = argv[a], weight = tonumber(argv[a + 1])}
+    c.rest = a + 2
+  end
   c.paused_by = n + na + nc + 1
   return c
 end

@@ -174,6 +174,19 @@ def tiered_by_rules(self: Any, tier: str, i: int) -> int:
     return i
 
 
+#: The fair-shares task's limit: tenants share 5/s, slots go to them in turn when they wait.
+FAIR_RATE = "5/s"
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Limit(FAIR_RATE, key="provider", fair_key="{tenant}"),
+    bind=True,
+)
+def fair_tenant(self: Any, tenant: str, i: int) -> int:
+    return record(self, i=i, tenant=tenant)
+
+
 @app.task(
     base=RateLimitedTask,
     ratelimit=[Limit("20/s", key="cal"), Limit("4/m", key="cal", align="UTC")],

@@ -1,0 +1,185 @@
+"""Fair shares (``Limit(fair_key=..., fair_weight=...)``): the declaration's checks, and
+the slots waiting calls get from a real redis-server (``lua/lib/fair.lua``).
+
+The slots are compared by rank, not by time: which call holds which slot does not
+depend on how fast the machine is, only on the order the calls came in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_ratelimit import (
+    AsyncLimiter,
+    Concurrency,
+    InvalidLimit,
+    Limit,
+    Limiter,
+    RateLimitedTask,
+    ratelimit,
+)
+from celery_ratelimit._explain import explain, format_explanation
+from celery_ratelimit._fair import place_of, waiting_by_value
+from celery_ratelimit._layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
+from celery_ratelimit._limit import to_limits
+from celery_ratelimit._ops import format_status, status
+from celery_ratelimit._plan import plan_for
+from tests.nodes import max_in_window
+
+
+@pytest.mark.parametrize("weight", [0, -1, math.nan, math.inf, "2", True, None])
+def test_a_weight_not_a_positive_finite_number_is_refused_naming_it(weight: Any) -> None:
+    with pytest.raises(ValueError, match="fair_weight must be a positive") as caught:
+        Limit("10/s", fair_key="{tenant}", fair_weight=weight)
+    assert repr(weight) in str(caught.value)
+
+
+def test_a_fair_key_needs_a_log_limit_of_its_own() -> None:
+    with pytest.raises(InvalidLimit, match="needs reserved slots"):
+        Limit("10/s", algorithm="counter", fair_key="{tenant}")
+    with pytest.raises(InvalidLimit, match="needs reserved slots"):
+        Limit("100/d", align="UTC", fair_key="{tenant}")
+    with pytest.raises(InvalidLimit, match="cannot be stacked"):
+        to_limits([Limit("10/s", fair_key="t"), Limit("100/m", key="other")])
+
+
+def test_a_fair_key_template_naming_an_argument_no_call_can_have_fails_when_declared() -> None:
+    app = Celery("fair-check", set_as_current=False)
+    with pytest.raises(InvalidLimit, match=r"task decorated names argument \{tenant\}"):
+
+        @ratelimit("5/s", key="provider", fair_key="{tenant}")
+        @app.task(shared=False, name="decorated")
+        def decorated(i: int) -> None: ...
+
+
+def test_a_weight_function_returning_zero_fails_that_call_only() -> None:
+    app = Celery("fair-weights", set_as_current=False)
+    weights = {"interactive": 9, "batch": 1}
+
+    @ratelimit(
+        "5/s", key="provider", fair_key="{kind}", fair_weight=lambda kind: weights.get(kind, 0)
+    )
+    @app.task(shared=False, name="classed")
+    def classed(kind: str) -> None: ...
+
+    plan = plan_for(classed)
+    assert plan is not None
+    assert plan.fair((), {"kind": "interactive"}) == ("interactive", 9.0)
+    with pytest.raises(InvalidLimit, match=r"the weight fair_weight function of .* got 0"):
+        plan.fair((), {"kind": "unknown"})
+
+
+def _reserve(limiter: Limiter, limit: Limit, tenants: list[str], weight: dict[str, float]) -> str:
+    """Ask for a slot for a call of each tenant in order; returns the limit's Redis key."""
+    for tenant in tenants:
+        d = limiter.acquire(
+            "provider", limit, reserve=True, fair=tenant, fair_weight=weight.get(tenant, 1)
+        )
+        assert d.allowed or d.reserved
+    return limiter.keys_for("provider", limit)[0]
+
+
+def _order(limiter: Limiter, key: str) -> list[str]:
+    """The tenants of the waiting calls, in the order of their slots as they are now."""
+    state = limiter.client.hgetall(key + FAIR_STATE)
+    members = limiter.client.zrange(key + PENDING, 0, -1)
+    return [state[b"m:" + member].decode() for member in members]
+
+
+def test_a_tenant_behind_a_backlog_takes_every_other_slot_and_no_window_overflows(
+    limiter: Limiter,
+) -> None:
+    limit = Limit("5/s", key="provider", fair_key="{tenant}")
+    key = _reserve(limiter, limit, ["A"] * 40 + ["B"] * 3, {})
+    entries = log_entries(limiter.client, key)
+    assert len(entries) == 43  # nothing lost, nothing counted twice
+    assert len({t for t, _ in entries}) == 43  # a slot each: swaps exchange slots
+    assert max_in_window([t for t, _ in entries], 1_000_000) <= 5
+    slots = limiter.client.zrange(key + PENDING, 0, -1, withscores=True)
+    assert sorted(int(s) for _, s in slots) == sorted(t for t, _ in entries)[5:]
+    # in slot order, B's k-th call comes after at most about k of A's (equal weights)
+    order = _order(limiter, key)
+    for k in range(1, 4):
+        before = order[: _nth(order, "B", k)].count("A")
+        assert before <= k + 1, f"B's call {k} is placed after {before} of A's: {order}"
+    assert waiting_by_value(limiter.client, key) == {"A": 35, "B": 3}
+    lines = format_status(status(limiter), limiter.prefix, "redis://test")
+    assert "waiting on provider by fair key: A 35, B 3" in lines
+    limiter.reset("provider", limit)
+    assert not limiter.client.exists(key + FAIR_TAGS, key + FAIR_STATE, key + PENDING)
+
+
+def _nth(order: list[str], tenant: str, k: int) -> int:
+    return [i for i, one in enumerate(order) if one == tenant][k - 1]
+
+
+def test_weights_three_to_one_share_the_slots_three_to_one_while_both_wait(
+    limiter: Limiter,
+) -> None:
+    limit = Limit("10/s", key="provider", fair_key="{tenant}")
+    key = _reserve(limiter, limit, ["A"] * 60 + ["C"] * 60, {"A": 3, "C": 1})
+    order = _order(limiter, key)
+    both = order[: _nth(order, "C", 10) + 1]  # a stretch where both wait
+    share = Counter(both)
+    assert abs(share["A"] / len(both) - 0.75) <= 0.1, f"shares {dict(share)} of {order}"
+
+
+def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(
+    limiter: Limiter, redis_url: str
+) -> None:
+    limit = Limit("5/s", key="provider", fair_key="{tenant}")
+    for _ in range(5):
+        assert limiter.acquire("provider", limit, reserve=True, fair="A").allowed
+    key = limiter.keys_for("provider", limit)[0]
+    assert not limiter.client.exists(key + FAIR_TAGS, key + FAIR_STATE)
+    _reserve(limiter, limit, ["A"] * 10, {})
+    seconds, micros = limiter.client.time()
+    place = place_of(limiter.client, key, "B", 1.0, 1, seconds * 1_000_000 + micros)
+    assert (place.ahead, place.waiting) == (2, 10)  # A tagged 1 and 2, B 2: after them
+    app = Celery("fair-explain", set_as_current=False)
+    app.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix=limiter.prefix)
+
+    @app.task(base=RateLimitedTask, ratelimit=limit, shared=False, name="call")
+    def call(tenant: str) -> None: ...
+
+    lines = format_explanation(explain(app, "call", ["B"]))
+    assert any("2 of them" in line and "key B (weight 1)" in line for line in lines), lines
+
+
+def test_concurrency_turns_go_to_the_waiting_tenants_in_turn(limiter: Limiter) -> None:
+    slots = Concurrency(2, key="erp", fair_key="{tenant}")
+    for tenant in ["A"] * 12 + ["B"] * 3:
+        d = limiter.acquire("erp", slots, reserve=True, fair=tenant)
+        assert d.allowed or d.reserved
+    key = limiter.keys_for("erp", slots)[0]
+    order = _order(limiter, key)  # the waiters, in the order of their turns
+    assert sorted(order) == ["A"] * 10 + ["B"] * 3  # nobody lost, nobody twice
+    for k in range(1, 4):
+        before = order[: _nth(order, "B", k)].count("A")
+        assert before <= k + 1, f"B's call {k} waits behind {before} of A's: {order}"
+    with pytest.raises(ValueError, match="fair_weight must be a positive finite number"):
+        Concurrency(2, key="erp", fair_key="{tenant}", fair_weight=math.nan)
+
+
+def test_the_async_limiter_places_a_call_as_the_sync_one_does(
+    redis_url: str, limiter: Limiter
+) -> None:
+    limit = Limit("5/s", key="provider", fair_key="{tenant}")
+    key = _reserve(limiter, limit, ["A"] * 10, {})
+
+    async def main() -> None:
+        lim = AsyncLimiter.from_url(redis_url, prefix=limiter.prefix)
+        try:
+            d = await lim.acquire("provider", limit, reserve=True, fair="B")
+            assert d.reserved
+        finally:
+            await lim.aclose()
+
+    asyncio.run(main())
+    assert _order(limiter, key) == ["A", "A", "B", "A", "A", "A"]  # 5 ran at once
