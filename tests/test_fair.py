@@ -115,6 +115,21 @@ def test_a_tenant_behind_a_backlog_takes_every_other_slot_and_no_window_overflow
     assert not limiter.client.exists(key + FAIR_TAGS, key + FAIR_STATE, key + PENDING)
 
 
+@pytest.mark.parametrize("burst", [None, 1])
+def test_a_paced_fair_limit_keeps_its_pace_and_a_tenant_named_like_the_pace_marker(
+    limiter: Limiter, burst: int | None
+) -> None:
+    limit = Limit("5/s", key="provider", fair_key="{tenant}", burst=burst)
+    key = _reserve(limiter, limit, ["pace"] * 20 + ["B"] * 3, {})
+    times = sorted(t for t, _ in log_entries(limiter.client, key))
+    assert len(set(times)) == 23  # nothing lost, a slot each
+    assert max_in_window(times, 1_000_000) <= 5
+    if burst:  # one call per interval (200 ms), swaps or not
+        assert min(b - a for a, b in zip(times, times[1:])) >= 200_000
+    order = _order(limiter, key)
+    assert order[: _nth(order, "B", 3)].count("pace") <= 4, order
+
+
 def _nth(order: list[str], tenant: str, k: int) -> int:
     return [i for i, one in enumerate(order) if one == tenant][k - 1]
 
