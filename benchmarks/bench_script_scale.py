@@ -156,16 +156,17 @@ def confirm_due(client: redis.Redis, limiter: Limiter, limits: tuple[int, ...]) 
     """Server µs per confirmation of a reservation whose slot has come (the path of every
     deferred task's copy), by limit: each key is filled as in :func:`one_limit` (a full
     window, PENDING reservations after it), then, one window later, the first DUE
-    reservations of every key are confirmed as their slots come (a copy a few ms after
-    its eta). Every entry weighs 1. Every key shares the one wait; the slow log times
-    each call."""
+    reservations of every key (at most a window's) are confirmed as their slots come (a
+    copy a few ms after its eta). Every entry weighs 1. Every key shares the one wait;
+    the slow log times each call."""
     client.flushdb()
     due: list[tuple[int, int, int, bytes]] = []  # slot µs, size, cost, token
     for size in sorted(limits, reverse=True):
         _, reserved, replies = _fill(client, limiter, Limit(f"{size}/30s"), False, f"due{size}")
         due += [
             (reply[5], size, c, token)
-            for (_, c, token), reply in list(zip(reserved, replies, strict=True))[:DUE]
+            # the first window's slots only (a limit of 10 has 10)
+            for (_, c, token), reply in list(zip(reserved, replies, strict=True))[: min(DUE, size)]
         ]
     due.sort()
     sha = limiter._scripts["start"].sha
