@@ -71,10 +71,15 @@ local function log_start_in(k, t0, now, hold)
     end
     local excess = counted(math.huge) * k.unit + k.cost - k.limit
     if excess <= 0 then return t0 end
-    -- the entry whose leaving makes room: the j-th that counts, by a binary search
-    -- over the log's ranks (meta members and older entries rank first)
+    -- the entry whose leaving makes room: the j-th that counts. When every entry up to
+    -- the j-th after lo counts (the usual case: no slot abandoned there, the call's own
+    -- entry later), it is the j-th by rank; else a binary search over the ranks after
+    -- it (meta members and older entries rank first)
     local j = math.ceil(excess / k.unit)
-    local first = redis.call('ZCOUNT', k.key, '-inf', us(lo))
+    local first = redis.call('ZCOUNT', k.key, '-inf', us(lo)) + j - 1
+    local guess = tonumber(redis.call('ZRANGE', k.key, first, first, 'WITHSCORES')[2])
+    if counted(guess) >= j then return guess + k.exact end
+    first = first + 1
     local last = redis.call('ZCARD', k.key) - 1
     while first < last do
       local mid = math.floor((first + last) / 2)
