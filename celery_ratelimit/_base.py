@@ -22,6 +22,8 @@ from ._upstream import seconds_from
 #: An adapting limit (``Limit(adapt=True)``) gives back this share of its declared rate
 #: (1 / ADAPT_SHARE) per window without a 429.
 ADAPT_SHARE = 10
+#: ... and keeps this share (per mille) of its effective rate on a 429 (halved).
+ADAPT_KEEP = 500
 
 #: Reply statuses (see ``lua/lib/call.lua``).
 DENIED, ALLOWED, RESERVED, NOT_YET_DUE, RELEASED, SPENT, STARTS_AT, SETTLED = range(8)
@@ -333,8 +335,13 @@ class LimiterBase:
             quota = budget.limit or 0
             if budget.window is not None and abs(budget.window * 1_000_000 - window) > 1000:
                 quota = 0  # a quota of another window says nothing of this limit's
+            # a reset rounded up to whole seconds came up to a second earlier: where the
+            # quota of this window is known, the budget holds until the earliest it may
+            # have come, the quota pacing the calls in that second (the limit's own log
+            # counts them); without one, until the reset stated
+            reset = budget.reset - budget.early if quota else budget.reset
             noted.append(name)
-            numbers += (budget.remaining, int(budget.reset * 1_000_000), quota)
+            numbers += (budget.remaining, int(reset * 1_000_000), quota)
         pause = seen.retry_after or 0.0
         cut: list[str] = []
         if pause > 0:
@@ -342,7 +349,8 @@ class LimiterBase:
                 if limit.adapt:
                     rate = limit.fixed_rate
                     cut.append(name)
-                    numbers += (rate.limit, rate.window_us, max(rate.limit // ADAPT_SHARE, 1))
+                    step = max(rate.limit // ADAPT_SHARE, 1)
+                    numbers += (rate.limit, rate.window_us, step, ADAPT_KEEP)
         if not noted and pause <= 0:
             return None
         paused = sorted({settings_of(k) for k in keys}) if pause > 0 else []

@@ -149,6 +149,7 @@ class Check:
         if self.metrics is not None:
             elapsed = max(answered - sent, 0.0)
             self.metrics.decision(self.plan.limits, decision, elapsed, decision.allowed, self.mode)
+            self.metrics.rates(limiter, keys, limits)
         return decision
 
     def start(self, decision: Decision) -> float:

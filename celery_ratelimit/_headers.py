@@ -14,8 +14,10 @@ Families understood (header names are matched case-insensitively):
   Go durations: ``6m0s``, ``1s``, ``20ms``).
 
 The first three give a budget in *requests*, the last a requests budget and a *tokens*
-one. A value that cannot be read is left out with one DEBUG line per header set; it
-never raises: a body's call to the upstream already happened.
+one. A reset stated in whole seconds (``30``, an epoch second, ``6m0s``) is taken as the
+upstream rounding it up: the real reset may come up to a second earlier
+(:attr:`Budget.early`). A value that cannot be read is left out with one DEBUG line per
+header set; it never raises: a body's call to the upstream already happened.
 """
 
 from __future__ import annotations
@@ -40,18 +42,23 @@ EPOCH_MS_FLOOR = 1e12
 MAX_RESET = 86_400.0
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
+#: A reset in whole seconds: an integer (delta or epoch seconds), or a duration of whole
+#: hours, minutes and seconds.
+_WHOLE = re.compile(r"\d+|(?:\d+h)?(?:\d+m)?(?:\d+s)?")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
 @dataclass(frozen=True)
 class Budget:
     """``remaining`` units are left until ``reset`` seconds from now; ``limit`` units per
-    ``window`` seconds (None: not said) is the upstream's quota."""
+    ``window`` seconds (None: not said) is the upstream's quota; the reset may come up to
+    ``early`` seconds before ``reset`` (1.0: it was stated in whole seconds, rounded up)."""
 
     remaining: int
     reset: float
     limit: int | None = None
     window: float | None = None
+    early: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,17 @@ def duration(text: str) -> float | None:
     return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
+def _early(value: str | None, seconds: float | None) -> float:
+    """How much earlier than stated a reset ``value`` (read as ``seconds`` from now) may
+    come: a second when it is stated in whole seconds, else 0."""
+    if value is None or seconds is None:
+        return 0.0
+    text = value.split(",")[0].split(";")[0].strip()
+    if not text or not _WHOLE.fullmatch(text) or (text.isdigit() and int(text) > EPOCH_MS_FLOOR):
+        return 0.0  # a fraction, milliseconds (or epoch milliseconds)
+    return min(1.0, seconds)
+
+
 def _reset(name: str, value: str | None, now: float, notes: list[str]) -> float | None:
     """Seconds from ``now`` until a reset: delta seconds or a duration, epoch seconds
     (or milliseconds) when that large; None if unreadable or past, at most a day."""
@@ -208,7 +226,7 @@ def _trio(
         return None
     limit = _count(names[0], fields.get(names[0]), notes)
     window = _policy_window(fields.get(names[0], ""))
-    return Budget(remaining, reset, limit, window)
+    return Budget(remaining, reset, limit, window, _early(fields[names[2]], reset))
 
 
 def _policy_window(value: str) -> float | None:
@@ -295,7 +313,7 @@ def _ietf_budget(
         if remaining is None:
             notes.append("RateLimit without a remaining")
         return None
-    return Budget(left, seconds, limit, window)
+    return Budget(left, seconds, limit, window, _early(reset, seconds))
 
 
 def _smallest(budgets: list[Budget | None]) -> Budget | None:

@@ -10,6 +10,11 @@ Prometheus (``pip install 'celery-ratelimit[metrics]'``, then
 - ``celery_ratelimit_reservations``: slots reserved and not yet used. A reservation is
   made by the worker that deferred a task and used by whichever worker runs it, so one
   process's value can be negative; ``sum by (limit)`` over all workers is the count.
+- ``celery_ratelimit_declared_rate`` and ``celery_ratelimit_effective_rate``: an
+  adapting limit's (``Limit(adapt=True)``) declared rate and the rate in force on every
+  worker (lower after an upstream's 429s), in units a second. A process reads the
+  effective rate from Redis on a decision of that limit at most once every
+  :data:`RATE_REFRESH` seconds (one ``HGET``; a limit that does not adapt costs none).
 
 ``prometheus_client`` is imported the first time a worker with the setting on makes a
 decision, never otherwise; when it is not installed, one warning is logged and the
@@ -29,14 +34,16 @@ listens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import signals
 
 from ._base import CONFIRM, RESTAMP
 from ._decision import Decision
-from ._limit import AnyLimit
+from ._layout import EFF_FIELD, effective, settings_of
+from ._limit import AnyLimit, Limit
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -44,6 +51,9 @@ logger = logging.getLogger("celery_ratelimit")
 EVENT = "task-ratelimited"
 #: Histogram buckets for one decision (one Redis round trip), seconds.
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+#: A process reads an adapting limit's effective rate at most this often (seconds).
+RATE_REFRESH = 1.0
 
 #: The app attribute caching whether the app records metrics (a Metrics or False).
 _APP_ATTR = "_ratelimit_metrics"
@@ -93,6 +103,20 @@ class Metrics:
             ["limit"],
             multiprocess_mode="livesum",
         )
+        self.declared_rate = gauge(
+            "celery_ratelimit_declared_rate",
+            "The declared rate of an adapting limit, units a second.",
+            ["limit"],
+            multiprocess_mode="livemostrecent",
+        )
+        self.effective_rate = gauge(
+            "celery_ratelimit_effective_rate",
+            "The rate in force of an adapting limit (Limit(adapt=True)) on every worker: "
+            "the declared rate, or less after an upstream's 429s; units a second.",
+            ["limit"],
+            multiprocess_mode="livemostrecent",
+        )
+        self._rates_read: dict[str, float] = {}  # label -> time.monotonic() of the read
 
     def decision(
         self, limits: Iterable[AnyLimit], decision: Decision, seconds: float, runs: bool, mode: str
@@ -115,6 +139,38 @@ class Metrics:
         elif not (confirmed and decision.reserved):
             for limit in (decision.limit,) if decision.limit is not None else limits:
                 self.denied.labels(limit.label).inc()
+
+    def rates(self, limiter: Any, keys: Sequence[str], limits: Sequence[AnyLimit]) -> None:
+        """Set the declared and effective rates of the adapting ``limits`` (on the escaped
+        ``keys``, one per limit) from Redis, each at most every :data:`RATE_REFRESH`
+        seconds in this process. Never raises: a metric must not cost the task."""
+        now = time.monotonic()
+        due = [
+            (limit, i)
+            for i, limit in enumerate(limits)
+            if isinstance(limit, Limit)
+            and limit.adapt
+            and now - self._rates_read.get(limit.label, -RATE_REFRESH) >= RATE_REFRESH
+        ]
+        if not due:
+            return
+        try:
+            names = limiter.keys_for(list(keys), limits)
+            for limit, i in due:
+                self._rates_read[limit.label] = now
+                rate = limit.fixed_rate
+                algorithm, window = names[i].rsplit(":", 2)[1:]
+                field = f"{EFF_FIELD}{algorithm}:{window}"
+                value = limiter.client.hget(settings_of(names[i]), field)
+                most = rate.limit
+                if value is not None:
+                    at = int(time.time() * 1_000_000)
+                    most = max(min(most, effective(value, rate.window_us, at)), 1)
+                per_second = 1_000_000 / rate.window_us
+                self.declared_rate.labels(limit.label).set(rate.limit * per_second)
+                self.effective_rate.labels(limit.label).set(most * per_second)
+        except Exception as exc:  # a metric must never cost the task
+            logger.debug("ratelimit: could not read the effective rates: %s", exc)
 
     def held(self, limits: Iterable[AnyLimit]) -> None:
         """A fresh slot waited for in-process (no deferral), counted as a reservation."""

@@ -180,7 +180,9 @@ def after_upstream(
         if exc.key:
             check.limiter.pause_keys(keys, exc.seconds)
         else:  # the pause and, for adapt=True limits, a cut of the rate: one call
-            check.limiter.observed(keys, Observation(exc.seconds), check.limits)
+            granted = getattr(request, DECISION_ATTR, None)
+            since = granted.at if granted is not None and granted.token else None
+            check.limiter.observed(keys, Observation(exc.seconds), check.limits, since=since)
     except (LimiterUnavailable, LimiterMisconfigured) as error:
         logger.warning(
             "ratelimit: %s[%s]: could not pause %s (%s); deferring the task only",

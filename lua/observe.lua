@@ -9,7 +9,8 @@
 -- grant of the call whose response this was (0: now); then, for each of the m limits,
 -- r (units the upstream has left), reset (µs from now until it is back to full) and l
 -- (its quota, 0: not said, or not of this limit's window); then, for each of the q, its
--- declared limit, window (µs) and the units it gives back a window.
+-- declared limit, window (µs), the units it gives back a window and the share of the
+-- effective rate a cut keeps (per mille).
 -- Reply: 1.
 --
 -- A limit's field "seen:<algorithm>:<window>" becomes "r t l lu" (and the hash's "up"
@@ -70,9 +71,9 @@ for i = 1, m do
   settings_keep(settings, now, math.max(t, lu))
 end
 for j = 1, q do
-  local key, a = KEYS[2 * m + q + j], 5 + 3 * m + 3 * (j - 1)
-  settings_cut(KEYS[2 * m + j], 'eff:' .. string.match(key, '([^:]+:%d+)$'), now,
-    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]))
+  local key, a = KEYS[2 * m + q + j], 5 + 3 * m + 4 * (j - 1)
+  settings_cut(KEYS[2 * m + j], 'eff:' .. string.match(key, '([^:]+:%d+)$'), now, since,
+    tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
 end
 if pause > 0 then
   for k = 2 * (m + q) + 1, #KEYS do settings_pause(KEYS[k], now, pause) end

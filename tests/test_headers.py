@@ -27,7 +27,7 @@ def test_github_answer_with_an_epoch_reset() -> None:
         "X-RateLimit-Reset": "1377013266",
     }
     seen = parse(headers, now=at(headers["Date"]))
-    assert seen.requests == Budget(remaining=0, reset=3025.0, limit=60)
+    assert seen.requests == Budget(remaining=0, reset=3025.0, limit=60, early=1.0)
     assert seen.tokens is None and seen.retry_after is None
 
 
@@ -42,7 +42,7 @@ def test_delta_seconds_reset_and_retry_after() -> None:
         },
         now=1_700_000_000.0,
     )
-    assert seen == Observation(30.0, Budget(5, 60.0, 10))
+    assert seen == Observation(30.0, Budget(5, 60.0, 10, early=1.0))
 
 
 def test_openai_requests_and_tokens() -> None:
@@ -56,8 +56,8 @@ def test_openai_requests_and_tokens() -> None:
         ("x-ratelimit-reset-tokens", "6m0s"),
     ]
     seen = parse(headers)
-    assert seen.requests == Budget(59, 1.0, 60)
-    assert seen.tokens == Budget(149984, 360.0, 150000)
+    assert seen.requests == Budget(59, 1.0, 60, early=1.0)
+    assert seen.tokens == Budget(149984, 360.0, 150000, early=1.0)
 
 
 @pytest.mark.parametrize(
@@ -81,13 +81,13 @@ def test_ietf_draft_07_dictionary_and_its_policy() -> None:
             "RateLimit": "limit=100, remaining=50, reset=30",
         }
     )
-    assert seen.requests == Budget(50, 30.0, 100, 60.0)
+    assert seen.requests == Budget(50, 30.0, 100, 60.0, 1.0)
 
 
 def test_ietf_items_named_by_policy() -> None:
     # draft-ietf-httpapi-ratelimit-headers-08, "RateLimit-Policy: default;l=100;w=10"
     seen = parse({"RateLimit-Policy": "default;l=100;w=10", "RateLimit": "default;r=50;t=5"})
-    assert seen.requests == Budget(50, 5.0, 100, 10.0)
+    assert seen.requests == Budget(50, 5.0, 100, 10.0, 1.0)
 
 
 def test_ietf_several_policies_the_nearest_to_running_out_wins() -> None:
@@ -100,14 +100,14 @@ def test_ietf_several_policies_the_nearest_to_running_out_wins() -> None:
             ("RateLimit", "quota;r=90; t=200"),
         ]
     )
-    assert seen.requests == Budget(50, 30.0, 100, 60.0)
+    assert seen.requests == Budget(50, 30.0, 100, 60.0, 1.0)
     quoted = parse(
         {
             "RateLimit-Policy": '"burst";q=100;w=60,"daily";q=1000;w=86400',
             "RateLimit": '"burst";r=80;t=10,"daily";r=3;t=3600',
         }
     )
-    assert quoted.requests == Budget(3, 3600.0, 1000, 86400.0)
+    assert quoted.requests == Budget(3, 3600.0, 1000, 86400.0, 1.0)
 
 
 def test_ietf_policy_in_other_units_is_not_a_request_budget() -> None:
@@ -127,7 +127,7 @@ def test_ietf_draft_06_trio_with_a_policy_window() -> None:
             "RateLimit-Reset": "1",
         }
     )
-    assert seen.requests == Budget(4, 1.0, 10, 1.0)
+    assert seen.requests == Budget(4, 1.0, 10, 1.0, 1.0)
 
 
 def test_retry_after_as_an_http_date() -> None:
@@ -141,7 +141,7 @@ def test_retry_after_as_an_http_date() -> None:
 
 def test_header_objects() -> None:
     requests_like = CaseInsensitiveDict({"X-RATELIMIT-REMAINING": "3", "x-ratelimit-reset": "2"})
-    assert parse(requests_like).requests == Budget(3, 2.0)
+    assert parse(requests_like).requests == Budget(3, 2.0, early=1.0)
     message = email.message.Message()  # what urllib's response.headers is
     message["Retry-After"] = "5"
     assert parse(message).retry_after == 5.0
@@ -176,10 +176,22 @@ def test_far_resets_are_taken_as_a_day(caplog: pytest.LogCaptureFixture) -> None
         seen = parse(
             {"X-RateLimit-Remaining": "1", "X-RateLimit-Reset": "9999999", "Retry-After": "90000"}
         )
-    assert seen == Observation(MAX_RESET, Budget(1, MAX_RESET))
+    assert seen == Observation(MAX_RESET, Budget(1, MAX_RESET, early=1.0))
     assert len(caplog.records) == 1
 
 
 def test_epoch_milliseconds() -> None:
     seen = parse({"X-RateLimit-Remaining": "7", "X-RateLimit-Reset": "1700000002500"}, now=1.7e9)
     assert seen.requests == Budget(7, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("reset", "early"),
+    [("2", 1.0), ("1700000002", 1.0), ("0.5", 0.0), ("1700000002500", 0.0), ("1m30s", 1.0)],
+)
+def test_a_reset_in_whole_seconds_may_come_up_to_a_second_early(reset: str, early: float) -> None:
+    # an upstream that counts whole seconds rounds its reset up
+    seen = parse({"X-RateLimit-Remaining": "0", "X-RateLimit-Reset": reset}, now=1.7e9)
+    assert seen.requests is not None and seen.requests.early == early
+    ms = parse({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "250ms"})
+    assert ms.requests is not None and ms.requests.early == 0.0

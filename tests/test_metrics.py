@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_ratelimit import Limit, RateLimitedTask, _metrics
+from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited, _metrics
 from tests.redis_server import RedisServer
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -29,6 +29,17 @@ def server() -> Iterator[RedisServer]:
     server.close()
 
 
+def metrics_app(server: RedisServer, name: str) -> Celery:
+    app = Celery(name, broker=server.url, set_as_current=False)
+    app.conf.update(
+        ratelimit_redis_url=server.url,
+        ratelimit_key_prefix="metrics",
+        ratelimit_metrics=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
 def sample(name: str, limit: str) -> float:
     value = prometheus_client.REGISTRY.get_sample_value(name, {"limit": limit})
     return float(value or 0.0)
@@ -37,13 +48,7 @@ def sample(name: str, limit: str) -> float:
 def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     server: RedisServer,
 ) -> None:
-    app = Celery("metrics_test", broker=server.url, set_as_current=False)
-    app.conf.update(
-        ratelimit_redis_url=server.url,
-        ratelimit_key_prefix="metrics",
-        ratelimit_metrics=True,
-        worker_hijack_root_logger=False,
-    )
+    app = metrics_app(server, "metrics_test")
     label = "metrics-api"
 
     @app.task(
@@ -108,3 +113,32 @@ def test_metrics_are_off_and_prometheus_client_unimported_by_default() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_an_adapting_limit_exports_its_declared_and_effective_rates(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_metrics, "RATE_REFRESH", 0.0)
+    app = metrics_app(server, "metrics_adapt")
+    label = "metrics-adapting"
+    answered: list[int] = []
+
+    @app.task(
+        name="metrics_adapt.call",
+        base=RateLimitedTask,
+        ratelimit=Limit("20/s", key="metrics-adapting", name=label, adapt=True),
+    )
+    def call(i: int) -> int:
+        answered.append(i)
+        if len(answered) == 1:  # the upstream's first answer is a 429
+            raise UpstreamRateLimited(0.05)
+        return i
+
+    with start_worker(app, pool="solo", perform_ping_check=False):
+        call.delay(0)
+        deadline = time.monotonic() + 30
+        while len(answered) < 2:  # run again after the pause, the rate cut
+            assert time.monotonic() < deadline, "the task did not run again"
+            time.sleep(0.05)
+        assert sample("celery_ratelimit_declared_rate", label) == 20.0
+        assert 10.0 <= sample("celery_ratelimit_effective_rate", label) < 20.0

@@ -39,9 +39,11 @@ def test_status_shows_what_the_upstream_said(limiter: Limiter) -> None:
     limiter.acquire("api", "5/s")
     (row,) = key_settings(limiter)
     (seen,) = row.seen
-    assert seen == Seen("log", 10**6, 2, seen.reset_in, 4) and 29 < seen.reset_in <= 30
+    # a reset in whole seconds may have come a second early: with the quota known, the
+    # budget holds until then
+    assert seen == Seen("log", 10**6, 2, seen.reset_in, 4) and 28 < seen.reset_in <= 29
     (line,) = format_settings([row])
-    assert line.startswith("upstream api (log 1s): 2 left, full again in 29.")
+    assert line.startswith("upstream api (log 1s): 2 left, full again in 28.")
     assert line.endswith("quota 4")
 
 
@@ -49,6 +51,18 @@ def test_a_denied_call_reserves_its_slot_at_the_reset(limiter: Limiter) -> None:
     limiter.observe("api", budget(0, 1), "100/m")
     reserved = limiter.acquire("api", "100/m", reserve=True)
     assert reserved.reserved and 0.9 < reserved.retry_after <= 1.0
+
+
+def test_a_whole_second_reset_holds_the_budget_until_a_second_before_it_when_the_quota_is_known(
+    limiter: Limiter,
+) -> None:
+    # the upstream rounded its reset up: it came in the second before; the quota (our own
+    # log of it) paces the calls from then
+    limiter.observe("api", budget(0, 3, limit=50), "50/5s")
+    denied = limiter.acquire("api", "50/5s")
+    assert not denied.allowed and 1.5 < denied.retry_after <= 2.0
+    limiter.observe("other", {**budget(0, 3, limit=50), "X-RateLimit-Reset": "3.0"}, "50/5s")
+    assert 2.5 < limiter.acquire("other", "50/5s").retry_after <= 3.0  # stated finely
 
 
 def test_calls_granted_after_the_observed_one_count_against_what_it_reported(
@@ -141,6 +155,23 @@ def test_adapt_halves_the_rate_once_a_window_and_gives_a_tenth_back_each_window(
     )
     time.sleep(1.05)  # a window without a 429: 10 + 20 / 10
     assert [limiter.acquire("api", limit).allowed for _ in range(13)] == [True] * 12 + [False]
+
+
+def test_adapt_cuts_only_for_a_call_granted_a_window_after_the_last_cut(
+    limiter: Limiter,
+) -> None:
+    limit = Limit("20/0.2s", adapt=True)
+    early = limiter.acquire("api", limit)
+    limiter.observed("api", Observation(0.001), limit, since=early.at)  # 10
+    time.sleep(0.21)
+    # sent before the cut: the upstream's window held calls sent at 20, no signal
+    limiter.observed("api", Observation(0.001), limit, since=early.at)
+    (row,) = key_settings(limiter)
+    assert row.effective[0][2] >= 12
+    late = limiter.acquire("api", limit)
+    limiter.observed("api", Observation(0.001), limit, since=late.at)
+    (row,) = key_settings(limiter)
+    assert row.effective[0][2] <= 10
 
 
 def test_adapt_never_goes_below_one_per_window(limiter: Limiter) -> None:

@@ -19,10 +19,12 @@ end
 
 -- Halve the effective rate of a limit of `limit` units per `window` µs (Limit(adapt=True))
 -- kept in the field `field` of `settings`: "e cut step", e units at the instant cut,
--- `step` more for each whole window since, up to `limit` (lib/call.lua reads it). At
--- most one cut a window (the answers of one burst are one signal), never below 1.
+-- `step` more for each whole window since, up to `limit` (lib/call.lua reads it); never
+-- below 1. The 429 of a call granted at `since` cuts only when that is a whole window
+-- after the last cut: until then the upstream's window still holds calls sent at the
+-- rate before it, and their 429s say nothing of the rate now (one burst, one signal).
 -- Returns the effective limit.
-local function settings_cut(settings, field, now, limit, window, step)
+local function settings_cut(settings, field, now, since, limit, window, step, keep)
   local eff, cut = limit, 0
   local old = redis.call('HGET', settings, field)
   if old then
@@ -32,8 +34,8 @@ local function settings_cut(settings, field, now, limit, window, step)
       eff = math.min(limit, tonumber(e) + math.floor((now - cut) / window) * step)
     end
   end
-  if now - cut < window then return eff end
-  eff = math.max(math.floor(eff / 2), 1)
+  if since - cut < window then return eff end
+  eff = math.max(math.floor(eff * keep / 1000), 1)
   redis.call('HSET', settings, field, string.format('%.0f %.0f %.0f', eff, now, step), 'up', 1)
   settings_keep(settings, now, now + math.ceil((limit - eff) / step) * window)
   return eff
