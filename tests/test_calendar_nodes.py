@@ -6,7 +6,6 @@ holds more than 4 starts."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 
@@ -17,9 +16,9 @@ MINUTE = 60_000_000
 
 
 def test_no_minute_of_the_clock_holds_more_than_the_limit_across_nodes(
-    start_nodes: Callable[..., Nodes],
+    shared_nodes: Nodes,
 ) -> None:
-    nodes = start_nodes()
+    nodes = shared_nodes
     ids = [nodes.send("aligned", i).id for i in range(6)]
     runs = nodes.wait_for_runs(ids, timeout=200)
     counted = Counter(r["id"] for r in runs)
