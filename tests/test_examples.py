@@ -99,12 +99,12 @@ def test_llm_budget_follows_what_the_llm_reports(
 ) -> None:
     from tests.redis_server import free_port
 
-    env = env_for(*servers, LLM_PORT=str(free_port()), LLM_PROMPTS="40")
+    env = env_for(*servers, LLM_PORT=str(free_port()), LLM_PROMPTS="24")
     with workers("examples.llm_budget", env, count=2):
         result = run(sys.executable, "-m", "examples.llm_budget", "produce", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "prompts answered                 40 of 40" in out
+    assert "prompts answered                 24 of 24" in out
     assert "answered twice                   0" in out
     assert re.search(r"429s answered\s+\d+", out)
     assert "result: every prompt answered once" in out
