@@ -190,14 +190,14 @@ def park_figures(client: Any, prefix: str) -> tuple[int, int, int]:
 
 
 def test_a_backlog_waits_in_redis_and_nodes_hold_only_the_copies_due_within_seconds(
-    shared_nodes: Nodes,
+    start_nodes: Callable[..., Nodes],
 ) -> None:
     """A deferral longer than ``ratelimit_park_after`` (2 s under "auto", the limiter
     being the broker's Redis server here) is parked in Redis; the nodes' movers publish
     each copy a second before it is due. So no node holds an ETA message due later than
     about 2 s from when it arrived, however far the backlog reaches (60 tasks at 10/s:
     the last are due 5 s out), and none is lost."""
-    nodes = shared_nodes  # the session's: the limiter on the broker's server, at 10/s
+    nodes = start_nodes(rate=RATE, backend=False)
     with nodes.redis() as client:
         parked_before, published_before, _ = park_figures(client, nodes.prefix)
         ids, runs = drain(nodes, "via_base", 60)
