@@ -56,10 +56,35 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+@pytest.fixture(scope="session")
+def session_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    """Three nodes with ``node_set``'s defaults (prefork -c 2, ``CRL_RATE`` 10/s, a
+    private Redis as broker, result backend and limiter), started once for every test
+    that needs no other option: each start of a node set costs seconds."""
+    with node_set(
+        tmp_path_factory.mktemp("session-nodes"), unique_prefix("session-nodes")
+    ) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def shared_nodes(session_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    """The session's default nodes, every node running, with no record and no key of an
+    earlier test (runs, budgets, pauses, overrides); their logs printed on failure."""
+    session_nodes.ensure_running()
+    session_nodes.clear_runs()
+    session_nodes.clear_budgets()
+    marks = session_nodes.log_marks()
+    yield session_nodes
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.passed:
+        print(session_nodes.logs_since(marks))
+
+
 @pytest.fixture
 def start_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Nodes]]:
     """Start a node set of the test's own (``node_set`` keywords); stopped at teardown,
-    logs printed on failure."""
+    logs printed on failure. A test content with the defaults takes ``shared_nodes``."""
     started: list[Nodes] = []
     with ExitStack() as stack:
 

@@ -192,6 +192,8 @@ class Fleet:
         return added
 
     def stop(self) -> None:
+        for node in self.nodes:  # every node shuts down at once, not one after another
+            node.kill(signal.SIGTERM)
         for node in self.nodes:
             node.stop()
         if self._producer is not None:

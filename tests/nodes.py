@@ -162,14 +162,15 @@ class Nodes:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """Stop every node: SIGTERM, a short grace, then SIGKILL to each process group."""
+        """Stop every node: SIGTERM, a second's grace, then SIGKILL to each process group
+        (the test is over: a green pool's warm shutdown takes seconds and shows nothing)."""
         # results still referenced by a cycle unsubscribe when collected: let them do
         # it now, while the backend's redis-server is still up
         gc.collect()
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 1
         for proc in self.procs:
             with suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
@@ -242,8 +243,18 @@ class Nodes:
             return [json.loads(raw) for raw in client.lrange(f"{self.prefix}:ends", 0, -1)]
 
     def clear_runs(self) -> None:
+        """Forget the records (runs, ETA holds, ends) and the upstream's one 429."""
         with self.redis() as client:
-            client.delete(f"{self.prefix}:runs", f"{self.prefix}:held", f"{self.prefix}:ends")
+            client.delete(*(f"{self.prefix}:{name}" for name in ("runs", "held", "ends", "429")))
+
+    def ensure_running(self) -> None:
+        """Start the nodes again (fresh logs) if one of them exited, so that a test
+        sharing them never inherits a node an earlier test lost."""
+        if self.procs and all(proc.poll() is None for proc in self.procs):
+            return
+        self.stop()
+        self.logs.clear()
+        self.start()
 
     def held(self) -> list[float]:
         """Seconds each ETA message received so far was held before it was due."""

@@ -8,15 +8,11 @@ at a given instant (a DST day, a few seconds before a minute ends) run under lib
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -31,6 +27,7 @@ from celery_ratelimit._calendar import DAY, HOUR, MINUTE, next_start, window_sta
 from celery_ratelimit._embedded import SERVER_ENV, bundled_binary, free_port
 from celery_ratelimit._layout import ENTRY_FLOOR, redis_key
 from tests.log_reader import server_us, sleep_until, us
+from tests.minute_clock import faked_server
 
 FAKETIME = shutil.which("faketime")
 needs_faketime = pytest.mark.skipif(
@@ -197,37 +194,8 @@ def test_bad_zones_and_windows_are_refused_by_name() -> None:
 @contextmanager
 def faked_redis(start: str) -> Iterator[redis.Redis]:
     """A redis-server whose clock starts at ``start`` (UTC) and runs ten times fast."""
-    binary = faketime_redis_binary()
-    assert FAKETIME
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="crl-faked-")
-    # faketime runs the server as its child: a session of their own, so that both stop
-    proc = subprocess.Popen(
-        [FAKETIME, "-f", f"@{start} x10", binary, "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", workdir],
-        env={**os.environ, "TZ": "UTC"},
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    client = redis.Redis(port=port, socket_timeout=10)
-    try:
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None, "the faked redis-server exited"
-                time.sleep(0.05)
+    with faked_server(faketime_redis_binary(), f"@{start} x10", free_port()) as client:
         yield client
-    finally:
-        client.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # the server too, if it lingers
-                os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @needs_faketime

@@ -70,15 +70,20 @@ def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         yield nodes
 
 
+def emptied(nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    """``nodes`` with an empty runs list and no budget; their logs printed on failure."""
+    marks = nodes.log_marks()
+    nodes.clear_runs()
+    nodes.clear_budgets()
+    yield nodes
+    if _failed(request):
+        print(nodes.logs_since(marks))
+
+
 @pytest.fixture
 def nodes(redis_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]:
     """The module's nodes with an empty runs list; their logs are printed on failure."""
-    marks = redis_nodes.log_marks()
-    redis_nodes.clear_runs()
-    redis_nodes.clear_budgets()
-    yield redis_nodes
-    if _failed(request):
-        print(redis_nodes.logs_since(marks))
+    yield from emptied(redis_nodes, request)
 
 
 def deferrals_logged(nodes: Nodes) -> Counter[str]:
@@ -164,7 +169,7 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
 ) -> None:
     with nodes.redis() as client:
         before = evalsha_calls(client)
-        ids, runs = drain(nodes, form, 60)
+        ids, runs = drain(nodes, form, 40)
         calls = evalsha_calls(client) - before
     figures = check_backlog(nodes, ids, runs, RATE, f"redis broker, {form}")
     # calls per task, the drain's pace and deferrals per task move with the machine's
@@ -253,10 +258,10 @@ def test_every_pool_starts_bodies_within_the_shared_limit(
     kept busy by another process, no window holds more starts than the limit, even
     where a grant's reply is read late (a green pool's hub busy with other tasks).
     The nodes are cold (fresh processes, fresh keys); on the green pools every task of
-    the backlog is taken at once (the cold flood: 100 tasks at 10/s on 150 greenlets),
+    the backlog is taken at once (the cold flood: 60 tasks at 10/s on 150 greenlets),
     and most of them are denied and publish their copies while the first bodies run."""
     nodes = start_nodes(rate=RATE, pool=pool, concurrency=concurrency)
-    count = 100 if pool in ("gevent", "eventlet") else 60
+    count = 60 if pool in ("gevent", "eventlet") else 40
     with busy_core() if busy else nullcontext():
         ids, runs = drain(nodes, "via_decorator", count, timeout=60)
     label = f"{pool} -c {concurrency}{' with a busy core' if busy else ''}"
@@ -268,14 +273,31 @@ def test_every_pool_starts_bodies_within_the_shared_limit(
     print(f"[{label}] most first I/Os in a window {first_io}")
 
 
+@pytest.fixture(scope="module")
+def public_only_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    """Three nodes with CELERY_RATELIMIT_PUBLIC_ONLY=1, for both forms below."""
+    with node_set(
+        tmp_path_factory.mktemp("public-only"),
+        unique_prefix("public-only"),
+        rate=RATE,
+        extra_env={"CELERY_RATELIMIT_PUBLIC_ONLY": "1"},
+    ) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def public_nodes(public_only_nodes: Nodes, request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    yield from emptied(public_only_nodes, request)
+
+
 @pytest.mark.parametrize("form", ["via_decorator", "shared_decorated"])
 def test_public_fallbacks_of_celery_internals_share_the_limit_the_same(
-    start_nodes: Callable[..., Nodes], form: str
+    public_nodes: Nodes, form: str
 ) -> None:
     """With CELERY_RATELIMIT_PUBLIC_ONLY=1 every private access of ``_compat`` takes its
     public path (a ``@shared_task`` found by its name at worker start, ETAs left as
     sent): the same invariants hold."""
-    nodes = start_nodes(rate=RATE, extra_env={"CELERY_RATELIMIT_PUBLIC_ONLY": "1"})
+    nodes = public_nodes
     ids, runs = drain(nodes, form, 40)
     figures = check_backlog(nodes, ids, runs, RATE, f"public paths only, {form}")
     assert figures["deferred_tasks"] > 0  # the limit was enforced, not skipped
@@ -471,7 +493,7 @@ def test_a_call_option_header_overrides_the_settings_in_the_worker(nodes: Nodes)
 
 
 BACKLOG_RATE = "5/500ms"
-BACKLOG = 100  # 20x the limit
+BACKLOG = 60  # 12x the limit
 
 
 @pytest.mark.timeout(240)

@@ -72,10 +72,9 @@ def drain_slots(nodes: Nodes, task: str, count: int, timeout: float = 90) -> dic
 
 @pytest.mark.parametrize("task", ["slotted", "slotted_by_decorator", "slotted_by_rules"])
 def test_three_nodes_never_run_more_bodies_at_once_than_the_limit(
-    start_nodes: Callable[..., Nodes], task: str
+    shared_nodes: Nodes, task: str
 ) -> None:
-    nodes = start_nodes()
-    drain_slots(nodes, task, 24)
+    drain_slots(shared_nodes, task, 24)
 
 
 @pytest.mark.parametrize(
@@ -88,10 +87,10 @@ def test_every_pool_holds_and_releases_slots(
     drain_slots(nodes, "slotted", 12)
 
 
-def test_every_exit_of_a_body_gives_its_slot_back(start_nodes: Callable[..., Nodes]) -> None:
+def test_every_exit_of_a_body_gives_its_slot_back(shared_nodes: Nodes) -> None:
     """Success, an exception and a self.retry() each end a body: 12 tasks (4 fail, 4
     retry once) all run within Concurrency(2), none waits on a slot never given back."""
-    nodes = start_nodes()
+    nodes = shared_nodes
     ids = [nodes.send("slotted_failing", i).id for i in range(12)]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(nodes.ends()) < 16:
@@ -131,12 +130,12 @@ def test_a_killed_workers_slot_comes_back_after_its_lease(
 
 
 def test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it(
-    start_nodes: Callable[..., Nodes],
+    shared_nodes: Nodes,
 ) -> None:
     """Task 0's body raises UpstreamRateLimited("2"); once the pause is written, 30
     more tasks of the key are sent: no body of the key starts inside the pause, task
     0 runs again after it without using a retry, nothing is lost."""
-    nodes = start_nodes()
+    nodes = shared_nodes
     client = nodes.redis()
     first = nodes.send("calls_upstream", 0, 2).id
     settings = f"{nodes.prefix}:{{upstream}}:settings"

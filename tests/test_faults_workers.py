@@ -1,4 +1,5 @@
-"""Worker-side faults under real nodes: killed workers, skewed clocks, a 5,000-task load.
+"""Worker-side faults under real nodes: killed workers, skewed clocks, a load of thousands
+of tasks.
 
 Run with ``-s`` to see the figures.
 """
@@ -122,15 +123,28 @@ def kill_workers_mid_drain(fleet: Fleet, *, stop_fetching_first: bool) -> None:
     node.kill(signal.SIGKILL)
     killed_at = time.time()
     held = node.held()
-    fleet.wait_for_runs(ids, 40, settle=1.0)
-    # a body killed mid-run has a start record: wait for every task to complete too
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    # a reply the node never read holds one popped message: the one loss allowed
+    stranded = sum(1 for n in unread if n >= 256)
+    allowed = min(stranded, 1) if stop_fetching_first else 0
+    # wait for every task to complete (a body killed mid-run has a start record and
+    # runs again). The copies the node held come back after the visibility timeout
+    # (10 s), then wait out at most max_countdown (6 s) and their turn: once 30 s passed
+    # since the kill and no more than the allowed loss is missing, none started, the
+    # wait ends; else it goes on to 70 s
+    patient, deadline = time.monotonic() + 30, time.monotonic() + 70
+    while True:
         records = fleet.runs()
         done = {r["id"] for r in records if r.get("done")}
-        if done >= set(ids):
+        missing = set(ids) - done
+        if not missing or time.monotonic() > deadline:
+            break
+        started = {r["id"] for r in records}
+        if time.monotonic() > patient and len(missing) <= allowed and not missing & started:
             break
         time.sleep(0.2)
+    time.sleep(1.0)  # a duplicate run would show by now (printed, not asserted)
+    records = fleet.runs()
+    done = {r["id"] for r in records if r.get("done")}
     runs = [r for r in records if not r.get("done")]
     counts = tally(ids, runs)
     lost_workers = len(fleet.grep("WorkerLostError")) - busy_before
@@ -149,13 +163,11 @@ def kill_workers_mid_drain(fleet: Fleet, *, stop_fetching_first: bool) -> None:
     unfinished = set(ids) - done
     story = "\n".join(line for task_id in sorted(unfinished) for line in fleet.grep(task_id))
     if stop_fetching_first:
-        # a reply the node never read holds one popped message: the one loss allowed
-        stranded = sum(1 for n in unread if n >= 256)
         print(
             f"[killed workers] unread on {node.name.split('-')[0]}'s broker sockets at the "
             f"kill: {unread} bytes; {len(unfinished)} tasks never completed"
         )
-        assert len(unfinished) <= min(stranded, 1), f"{unread=}, tasks never completed:\n{story}"
+        assert len(unfinished) <= allowed, f"{unread=}, tasks never completed:\n{story}"
     else:
         assert not unfinished, f"{len(unfinished)} tasks never completed:\n{story}"
     assert counts["lost"] <= len(unfinished), counts
@@ -193,13 +205,13 @@ FAKETIME = shutil.which("faketime")
 def test_after_an_outage_overdue_tasks_run_and_none_fails_for_want_of_budget(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer], outage: str
 ) -> None:
-    """200 tasks at 10/s with ``ratelimit_max_deferrals = 5``: every node restarted
+    """120 tasks at 10/s with ``ratelimit_max_deferrals = 5``: every node restarted
     (SIGTERM, back 2 s later) or the limiter's Redis paused for 10 s mid-drain. Slots
     pass meanwhile; their tasks, overdue, must run without the library's own pushes
     failing them, and without a window above the limit."""
     limit, window_us = 10, 1_000_000
     fleet.add(3, rate=f"{limit}/s", max_deferrals="5")
-    ids = [fleet.send("limited", i) for i in range(200)]
+    ids = [fleet.send("limited", i) for i in range(120)]
     time.sleep(4)
     began = time.time()
     if outage.startswith("every node"):
@@ -289,13 +301,19 @@ OVERLOAD = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("limit", "window_us"),
-    [(200, 2_000_000), pytest.param(100, 500_000, marks=OVERLOAD, id="overload")],
+    ("tasks", "limit", "window_us"),
+    [(2000, 200, 2_000_000), pytest.param(5000, 100, 500_000, marks=OVERLOAD, id="overload")],
 )
-def test_five_thousand_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
-    fleet: Fleet, servers: tuple[RedisServer, RedisServer], limit: int, window_us: int
+def test_thousands_of_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
+    fleet: Fleet,
+    servers: tuple[RedisServer, RedisServer],
+    tasks: int,
+    limit: int,
+    window_us: int,
 ) -> None:
-    """5,000 tasks at 100 a second over 2 s windows: nothing lost, no key left.
+    """2,000 tasks at 100 a second over 2 s windows (ten windows' worth, the nodes near
+    what this machine confirms): nothing lost, no key left. The benchmarks drain 5,000
+    (docs/benchmarks.md).
 
     ``overload`` (100 per 0.5 s, opt-in) asks for more than three nodes on this 2-core
     machine can confirm in time: deferred copies arrive later than one window after
@@ -304,7 +322,6 @@ def test_five_thousand_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
     lockstep, no grant after the first 3 s, in 90 s). A late copy now starts as soon as
     its cost fits what really started (measured: drained in 43 s, ideal 24.5 s).
     """
-    tasks = 5000
     _broker, limiter = servers
     client = limiter.client()
     fleet.add(3, rate=f"{limit}/{window_us / 1e6:g}s")
@@ -328,7 +345,7 @@ def test_five_thousand_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
     after = client.info("memory")["used_memory_dataset"]
     deferred = len(fleet.grep("ratelimit: deferred "))
     print(
-        f"\n[5,000 tasks] {counts}; sent in {sent_s:.1f}s, drained in {drain_s:.1f}s "
+        f"\n[{tasks:,} tasks] {counts}; sent in {sent_s:.1f}s, drained in {drain_s:.1f}s "
         f"(grants spanned {(grants[-1] - grants[0]) / 1e6:.1f}s, ideal "
         f"{(tasks / limit - 1) * window_us / 1e6:.1f}s); max grants per {window_us // 1000} ms "
         f"{max_grants(runs, window_us)} (limit {limit}); {deferred} deferrals; limiter keys "

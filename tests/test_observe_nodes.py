@@ -70,13 +70,11 @@ def test_no_window_above_the_upstreams_limit_once_observed(
     assert len(hosts) > 1, "one node ran every task: nothing was shared"
 
 
-def test_an_adapting_rate_cut_by_one_node_holds_on_every_node(
-    start_nodes: Callable[..., Nodes],
-) -> None:
+def test_an_adapting_rate_cut_by_one_node_holds_on_every_node(shared_nodes: Nodes) -> None:
     """Task 0's 429 on one node halves the key's 20/s to 10/s; the tasks sent after it
     are granted on every node at no more than the effective rate: 10 a window, and 2
     (a tenth of 20) more for each whole window since the cut."""
-    nodes = start_nodes()
+    nodes = shared_nodes
     first = nodes.send("adapts_upstream", 0).id
     settings = f"{nodes.prefix}:{{adapting}}:settings"
     deadline = time.monotonic() + 30

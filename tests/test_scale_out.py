@@ -66,7 +66,7 @@ def test_a_paused_redis_delays_parked_copies_by_the_pause_only(
     )
     try:
         fleet.add(2)
-        ids = [fleet.send("limited", i) for i in range(120)]
+        ids = [fleet.send("limited", i) for i in range(80)]
         deadline = time.monotonic() + 30
         while len(fleet.runs()) < 30 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -120,7 +120,7 @@ def test_a_killed_redis_with_aof_everysec_keeps_the_parked_copies(
     )
     try:
         fleet.add(2)
-        ids = [fleet.send("limited", i) for i in range(100)]
+        ids = [fleet.send("limited", i) for i in range(70)]
         deadline = time.monotonic() + 30
         while len(fleet.runs()) < 20 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -6,7 +6,6 @@ weight, and no window holds more real units than the limit; each task runs once.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 import redis
@@ -18,15 +17,13 @@ FORMS = ("llm", "llm_by_decorator", "llm_by_rules")
 LIMIT, WINDOW_US = 30, 2_000_000
 
 
-def test_three_nodes_settle_every_call_at_its_real_cost(
-    start_nodes: Callable[..., Nodes],
-) -> None:
-    nodes = start_nodes()
-    used = [2 + i % 5 for i in range(24)]  # 2..6 units each, estimated at 10
-    ids = [nodes.send(FORMS[i % 3], i, used[i]).id for i in range(24)]
+def test_three_nodes_settle_every_call_at_its_real_cost(shared_nodes: Nodes) -> None:
+    nodes = shared_nodes
+    used = [2 + i % 5 for i in range(12)]  # 2..6 units each, estimated at 10
+    ids = [nodes.send(FORMS[i % 3], i, used[i]).id for i in range(12)]
     runs = nodes.wait_for_runs(ids, timeout=120)
     counted = Counter(r["id"] for r in runs)
-    assert set(counted) == set(ids), f"{len(set(ids) - set(counted))} of 24 never ran"
+    assert set(counted) == set(ids), f"{len(set(ids) - set(counted))} of 12 never ran"
     assert max(counted.values()) == 1, "a task ran twice"
     assert all(r["settled"] for r in runs), "a settle did not find its grant"
     # every entry still in the key's log weighs what its call used
