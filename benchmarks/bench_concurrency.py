@@ -19,14 +19,18 @@ the key are sent once the pause is written; how many bodies start inside the pau
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import threading
 import time
+from collections import Counter
 from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
 from celery_ratelimit._park import park_calls
 from celery_ratelimit._rate import Rate
+from celery_ratelimit._scripts import NAMES, source
 
 BODY = 0.2
 SLOTS = 2
@@ -42,10 +46,43 @@ def most_at_once(spans: list[tuple[int, int]]) -> int:
     return most
 
 
+class CallKinds:
+    """The limiter's Redis calls by kind (the entry script an EVALSHA runs, or the
+    command), read from MONITOR on the limiter's own server while a drain runs."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.scripts = {hashlib.sha1(source(n).encode()).hexdigest(): n for n in NAMES}
+        self.counts: Counter[str] = Counter()
+        self.monitor = bench.limiter_redis.client(decode_responses=True).monitor()
+        self.monitor.__enter__()
+        self.thread = threading.Thread(target=self.listen, daemon=True)
+        self.thread.start()
+
+    def listen(self) -> None:
+        try:
+            for event in self.monitor.listen():
+                words = event.get("command", "").split()
+                if not words:
+                    continue
+                verb = words[0].upper()
+                if verb == "EVALSHA" and len(words) > 1:
+                    self.counts[self.scripts.get(words[1], "other script")] += 1
+                elif verb in ("BLPOP", "LPOP"):
+                    self.counts[verb.lower()] += 1
+        except Exception:  # the monitor closed
+            return
+
+    def close(self) -> dict[str, int]:
+        time.sleep(0.2)
+        self.monitor.connection.disconnect()
+        return dict(self.counts)
+
+
 def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
     client = bench.client
     client.delete("bench:spans", f"bench:runs:{name}")
     client.config_resetstat()
+    kinds = CallKinds(bench)
     park_before = park_calls(client, "bench")
     task = getattr(bench.tasks, name)
     for _ in range(count):
@@ -55,6 +92,7 @@ def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
         time.sleep(0.05)
     time.sleep(0.3)
     spans = [tuple(int(x) for x in raw.split()) for raw in client.lrange("bench:spans", 0, -1)]
+    by_kind = kinds.close()
     stats = client.info("commandstats").get("cmdstat_evalsha", {})
     evalsha = int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
     decisions = evalsha - (park_calls(client, "bench") - park_before) - len(spans)
@@ -67,6 +105,11 @@ def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
         "utilization": round(busy / (slots * (last - first)), 3),
         "most_at_once": most_at_once(spans),  # type: ignore[arg-type]
         "decisions_per_task": round(decisions / max(len(spans), 1), 3),
+        # every limiter call (the park's left out) per task, the release included
+        "calls_per_task": round(
+            sum(v for k, v in by_kind.items() if k != "park") / max(len(spans), 1), 3
+        ),
+        "calls_by_kind": {k: round(v / max(len(spans), 1), 3) for k, v in by_kind.items()},
         "drain_over_ideal": round((last - first) / 1e6 / ideal, 3),
     }
 
@@ -164,8 +207,18 @@ def table(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    global BODY, BACKLOG
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.parse_args()
+    parser.add_argument("--body", type=float, default=BODY, help="a body's seconds")
+    parser.add_argument("--backlog", type=int, default=BACKLOG, help="tasks a drain")
+    parser.add_argument(
+        "--slots-only", action="store_true", help="the drains alone (no pause row, no file)"
+    )
+    args = parser.parse_args()
+    BODY, BACKLOG = args.body, args.backlog
+    if args.slots_only:
+        print(json.dumps(run_slots(), indent=2))
+        return
     results = run_all()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "concurrency.json").write_text(json.dumps(results, indent=2))

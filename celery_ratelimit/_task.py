@@ -33,6 +33,7 @@ from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
     DENIALS_HEADER,
+    HANDOFF_WAIT,
     MAX_IN_PROCESS_WAIT,
     MAX_RESTAMPS,
     RETRIES_HEADER,
@@ -82,6 +83,8 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     token = _token_header(task, request)
     restamp = False
     waits = 0
+    if token is not None and check.handed(token, HANDOFF_WAIT):
+        return  # its turn was handed over to it (the copy of a waiting call)
     while True:
         try:
             decision = check.decide(token, restamp)
@@ -117,8 +120,11 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
         if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT and waits < MAX_WAITS:
             # a turn moments away (a concurrency slot about to be free): wait for it here
             waits += 1
-            time.sleep(decision.retry_after)
             token = decision.token
+            if not check.handy:
+                time.sleep(decision.retry_after)
+            elif token is not None and check.handed(token, decision.retry_after + HANDOFF_WAIT):
+                return
             continue
         why, reason = _why(decision, plan.limits)
         token = check.defer(

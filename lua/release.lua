@@ -14,7 +14,9 @@
 local log = ARGV[2] == 'log'
 local c = read_call(KEYS, ARGV, log)
 local now = c.now
-read_settings(c)
+-- a body that ends hands its slot to the first waiter (lib/concurrency.lua), not while
+-- its key is paused
+local hand = read_settings(c) <= now
 local ks, cals = {}, {}
 if log then
   for i, spec in ipairs(c.logs) do
@@ -32,6 +34,6 @@ if lib then
     cals[j] = lib.cal_open(spec, c.token, now, true, true)
     lib.cal_release(cals[j], now)
   end
-  for _, cc in ipairs(c.concs) do lib.conc_release(cc, c.token, now) end
+  for _, cc in ipairs(c.concs) do lib.conc_release(cc, c.token, now, hand) end
 end
 return reply(4, now, 0, 0, now, ks, lib, cals, c.concs)
