@@ -62,7 +62,7 @@ class CallKinds:
         try:
             for event in self.monitor.listen():
                 words = event.get("command", "").split()
-                if not words:
+                if not words or event.get("client_type") == "lua":  # a script's own
                     continue
                 verb = words[0].upper()
                 if verb == "EVALSHA" and len(words) > 1:

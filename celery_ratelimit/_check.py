@@ -64,6 +64,9 @@ MAX_IN_PROCESS_WAIT = 0.2
 #: its expected turn for the turn to be handed over to it (``Check.handed``) before it
 #: confirms its reservation as other calls do.
 HANDOFF_WAIT = 0.5
+#: ... and its deferred copy is due this long (seconds) before its expected turn, so that
+#: it is blocking for the turn when the slot is handed over, not on its way.
+HANDOFF_EARLY = 0.1
 #: A handed turn's short lease with less than this left (seconds) is renewed before the
 #: body starts; with more, the renewer renews it halfway.
 HANDOFF_RENEW_NOW = 0.2
