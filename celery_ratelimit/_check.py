@@ -68,8 +68,9 @@ HANDOFF_WAIT = 0.5
 #: it is blocking for the turn when the slot is handed over, not on its way.
 HANDOFF_EARLY = 0.1
 #: A handed turn's short lease with less than this left (seconds) is renewed before the
-#: body starts; with more, the renewer renews it halfway.
-HANDOFF_RENEW_NOW = 0.2
+#: body starts; with more, the renewer renews it this long before it runs out (or
+#: halfway, if sooner): a body shorter than the short lease needs no renewal.
+HANDOFF_RENEW_NOW = 0.3
 #: A grant read too late to start on (see ``Check.start``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
 MAX_RESTAMPS = 5
@@ -181,7 +182,7 @@ class Check:
         if ends is None:
             return False
         left = ends - time.time() - (_clock._offset or 0.0)
-        held = self.hold(token, time.monotonic() + left / 2)
+        held = self.hold(token, time.monotonic() + max(left - HANDOFF_RENEW_NOW, left / 2))
         if left < HANDOFF_RENEW_NOW:
             try:
                 if not self.limiter.renew(held.token, held.keys, held.limits, lease=held.lease):
