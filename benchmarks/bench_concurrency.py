@@ -1,15 +1,18 @@
 """Concurrency limits across nodes: ``python -m benchmarks.bench_concurrency``.
 
 Three ``celery worker`` nodes (prefork, concurrency 3) drain a backlog of tasks whose
-bodies hold a slot of ``Concurrency(2)`` for 0.2 s each, sent at once, twice: first on
-a new key (no body has ended yet: the limit guesses a body's time), then again (it has
-learnt the average). Each drain's figures: busy-slot utilization (the bodies' time /
-(2 x the drain's span, first start to last end)), the most bodies running at once,
-limiter decisions per task (the EVALSHA calls less one release per body and the park's
-calls; 2 is the ideal: the first execution, which takes a turn, and the copy's
-confirmation), drain / ideal (the backlog's bodies back to back on 2 slots). The
-anchor: the same bodies on one node of concurrency 2 with no limit, the usual way to
-cap concurrency (one dedicated worker) without sharing it.
+bodies hold a slot of ``Concurrency(2)`` for 0.2 s each (``--body``, ``--backlog``), sent
+at once, twice: first on a new key (no body has ended yet: the limit guesses a body's
+time), then again (it has learnt the average). Each drain's figures: busy-slot
+utilization (the bodies' time / (2 x the drain's span, first start to last end)), the
+most bodies running at once (by each process's clock moved to Redis time: a few ms of
+offset between processes can show one more than the limit had, which ``test_concurrency_nodes``
+checks by Redis time), limiter calls per task (every script call and ``BLPOP`` on the
+limiter's Redis, read from MONITOR, the park's left out: the release and lease renewals
+included; 3 is the ideal: a decision, learning the turn, the release) with their kinds,
+drain / ideal (the backlog's bodies back to back on 2 slots). The anchor: the same bodies
+on one node of concurrency 2 with no limit, the usual way to cap concurrency (one
+dedicated worker) without sharing it.
 
 The pause row: one task's body is answered 429 with Retry-After 2 s; 60 more tasks of
 the key are sent once the pause is written; how many bodies start inside the pause
@@ -169,6 +172,11 @@ def run_all() -> dict[str, Any]:
     return {"slots": run_slots(), "pause": run_pause()}
 
 
+def kinds(by_kind: dict[str, float]) -> str:
+    """Calls per task by kind, largest first: ``acquire 1.00, blpop 0.97, ...``."""
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+
+
 def table(results: dict[str, Any]) -> list[str]:
     """The markdown table of docs/benchmarks.md, row 12."""
     s = results["slots"]
@@ -183,7 +191,8 @@ def table(results: dict[str, Any]) -> list[str]:
                 label,
                 f"{d['utilization']:.2f}",
                 str(d["most_at_once"]),
-                f"{d['decisions_per_task']:.2f}" if "anchor" not in label else "-",
+                f"{d['calls_per_task']:.2f}" if "anchor" not in label else "-",
+                kinds(d["calls_by_kind"]) if "anchor" not in label else "-",
                 f"{d['drain_over_ideal']:.2f}",
             )
         )
@@ -191,7 +200,8 @@ def table(results: dict[str, Any]) -> list[str]:
         f"{BACKLOG} bodies of {BODY:g} s, 3 nodes",
         "busy-slot utilization",
         "most at once",
-        "decisions / task",
+        "limiter calls / task",
+        "by kind",
         "drain / ideal",
     )
     lines = markdown(header, rows, right=1)

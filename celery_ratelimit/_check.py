@@ -181,7 +181,10 @@ class Check:
             return False
         if ends is None:
             return False
-        left = ends - time.time() - (_clock._offset or 0.0)
+        # how long its short lease has left, by Redis time; unknown (this process has not
+        # measured its clock's offset yet): renewed before the body starts
+        offset = _clock._offset
+        left = ends - time.time() - offset if offset is not None else 0.0
         held = self.hold(token, time.monotonic() + max(left - HANDOFF_RENEW_NOW, left / 2))
         if left < HANDOFF_RENEW_NOW:
             try:
