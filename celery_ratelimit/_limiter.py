@@ -261,8 +261,12 @@ class Limiter(LimiterBase):
         if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
             raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
         name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
+        # blocked within the client's socket timeout, which would take it for a hung Redis
+        pool = getattr(self.client, "connection_pool", None)
+        socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 2.0
+        timeout = min(max(timeout, 0.01), 1.0, socket_timeout / 2)
         try:
-            popped = self.client.blpop([name], timeout=min(max(timeout, 0.01), 1.0))
+            popped = self.client.blpop([name], timeout=timeout)
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "waiting for a handed turn") from exc
         return None if popped is None else int(popped[1]) / 1_000_000
