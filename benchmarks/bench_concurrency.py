@@ -5,11 +5,12 @@ bodies hold a slot of ``Concurrency(2)`` for 0.2 s each (``--body``, ``--backlog
 at once, twice: first on a new key (no body has ended yet: the limit guesses a body's
 time), then again (it has learnt the average). Each drain's figures: busy-slot
 utilization (the bodies' time / (2 x the drain's span, first start to last end)), the
-most bodies running at once (by each process's clock moved to Redis time: a few ms of
-offset between processes can show one more than the limit had, which ``test_concurrency_nodes``
-checks by Redis time), limiter calls per task (every script call and ``BLPOP`` on the
-limiter's Redis, read from MONITOR, the park's left out: the release and lease renewals
-included; 3 is the ideal: a decision, learning the turn, the release) with their kinds,
+most bodies running at once (by each process's clock moved to Redis time: tens of ms of
+offset between processes, measured apart, can show one or two more than the limit had)
+and the most slots Redis held when a body started (the invariant, 2), limiter calls per
+task (every script call and ``BLPOP`` on the limiter's Redis, read from MONITOR, the
+park's left out: the release and lease renewals included; 3 is the ideal: a decision,
+learning the turn, the release) with their kinds,
 drain / ideal (the backlog's bodies back to back on 2 slots). The anchor: the same bodies
 on one node of concurrency 2 with no limit, the usual way to cap concurrency (one
 dedicated worker) without sharing it.
@@ -83,7 +84,7 @@ class CallKinds:
 
 def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
     client = bench.client
-    client.delete("bench:spans", f"bench:runs:{name}")
+    client.delete("bench:spans", f"bench:runs:{name}", "bench:holders")
     client.config_resetstat()
     kinds = CallKinds(bench)
     park_before = park_calls(client, "bench")
@@ -107,6 +108,8 @@ def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
         "executed": len(spans),
         "utilization": round(busy / (slots * (last - first)), 3),
         "most_at_once": most_at_once(spans),  # type: ignore[arg-type]
+        # the most slots Redis had held when a body started (the anchor holds none)
+        "most_held": max(map(int, client.lrange("bench:holders", 0, -1)), default=0),
         "decisions_per_task": round(decisions / max(len(spans), 1), 3),
         # every limiter call (the park's left out) per task, the release included
         "calls_per_task": round(
@@ -190,7 +193,7 @@ def table(results: dict[str, Any]) -> list[str]:
             (
                 label,
                 f"{d['utilization']:.2f}",
-                str(d["most_at_once"]),
+                f"{d['most_at_once']} ({d['most_held']})" if "anchor" not in label else "-",
                 f"{d['calls_per_task']:.2f}" if "anchor" not in label else "-",
                 kinds(d["calls_by_kind"]) if "anchor" not in label else "-",
                 f"{d['drain_over_ideal']:.2f}",
@@ -199,7 +202,7 @@ def table(results: dict[str, Any]) -> list[str]:
     header = (
         f"{BACKLOG} bodies of {BODY:g} s, 3 nodes",
         "busy-slot utilization",
-        "most at once",
+        "most at once (held in Redis)",
         "limiter calls / task",
         "by kind",
         "drain / ideal",
