@@ -1,6 +1,7 @@
 -- release.lua — give back what the call ARGV[1] holds: its reservation (log entries and
 -- aligned-window entries still in the future, its pending slots), and its concurrency
--- slots or turns in line (its body has ended, or will not run).
+-- slots or turns in line (its body has ended, or will not run). A slot a body gives back
+-- goes to the first waiter in line, in this call (lib/concurrency.lua, conc_hand).
 --
 -- KEYS and ARGV: a decision's (lib/call.lua). ARGV[2], the flag: the algorithm of the
 -- sliding limits, "log" or "counter" (whose windows hold no entry to give back).
