@@ -193,9 +193,11 @@ BODY = float(os.environ.get("CRL_BENCH_BODY", "0.2"))
 def slotted(self: Any, key: str = "") -> None:
     """A body holding a slot for BODY seconds; its span goes to ``bench:spans``."""
     start = record(self)
+    assert _client is not None
+    # the slots held as Redis has them when this body starts (the invariant: at most 2)
+    _client.rpush("bench:holders", _client.zcard("bench:{slots}:conc:0:s"))
     time.sleep(BODY)
     end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
-    assert _client is not None
     _client.rpush("bench:spans", f"{start} {end}")
 
 
@@ -216,9 +218,11 @@ def upstream(self: Any, pause: float = 0.0) -> None:
 def plain_body(self: Any) -> None:
     """The anchor of row 12: the same body, no limit (one node of -c 2 caps it)."""
     start = record(self)
+    assert _client is not None
+    # the slots held as Redis has them when this body starts (the invariant: at most 2)
+    _client.rpush("bench:holders", _client.zcard("bench:{slots}:conc:0:s"))
     time.sleep(BODY)
     end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
-    assert _client is not None
     _client.rpush("bench:spans", f"{start} {end}")
 
 

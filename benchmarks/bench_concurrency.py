@@ -1,15 +1,19 @@
 """Concurrency limits across nodes: ``python -m benchmarks.bench_concurrency``.
 
 Three ``celery worker`` nodes (prefork, concurrency 3) drain a backlog of tasks whose
-bodies hold a slot of ``Concurrency(2)`` for 0.2 s each, sent at once, twice: first on
-a new key (no body has ended yet: the limit guesses a body's time), then again (it has
-learnt the average). Each drain's figures: busy-slot utilization (the bodies' time /
-(2 x the drain's span, first start to last end)), the most bodies running at once,
-limiter decisions per task (the EVALSHA calls less one release per body and the park's
-calls; 2 is the ideal: the first execution, which takes a turn, and the copy's
-confirmation), drain / ideal (the backlog's bodies back to back on 2 slots). The
-anchor: the same bodies on one node of concurrency 2 with no limit, the usual way to
-cap concurrency (one dedicated worker) without sharing it.
+bodies hold a slot of ``Concurrency(2)`` for 0.2 s each (``--body``, ``--backlog``), sent
+at once, twice: first on a new key (no body has ended yet: the limit guesses a body's
+time), then again (it has learnt the average). Each drain's figures: busy-slot
+utilization (the bodies' time / (2 x the drain's span, first start to last end)), the
+most bodies running at once (by each process's clock moved to Redis time: tens of ms of
+offset between processes, measured apart, can show one or two more than the limit had)
+and the most slots Redis held when a body started (the invariant, 2), limiter calls per
+task (every script call and ``BLPOP`` on the limiter's Redis, read from MONITOR, the
+park's left out: the release and lease renewals included; 3 is the ideal: a decision,
+learning the turn, the release) with their kinds,
+drain / ideal (the backlog's bodies back to back on 2 slots). The anchor: the same bodies
+on one node of concurrency 2 with no limit, the usual way to cap concurrency (one
+dedicated worker) without sharing it.
 
 The pause row: one task's body is answered 429 with Retry-After 2 s; 60 more tasks of
 the key are sent once the pause is written; how many bodies start inside the pause
@@ -19,14 +23,18 @@ the key are sent once the pause is written; how many bodies start inside the pau
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import threading
 import time
+from collections import Counter
 from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
 from celery_ratelimit._park import park_calls
 from celery_ratelimit._rate import Rate
+from celery_ratelimit._scripts import NAMES, source
 
 BODY = 0.2
 SLOTS = 2
@@ -42,10 +50,43 @@ def most_at_once(spans: list[tuple[int, int]]) -> int:
     return most
 
 
+class CallKinds:
+    """The limiter's Redis calls by kind (the entry script an EVALSHA runs, or the
+    command), read from MONITOR on the limiter's own server while a drain runs."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.scripts = {hashlib.sha1(source(n).encode()).hexdigest(): n for n in NAMES}
+        self.counts: Counter[str] = Counter()
+        self.monitor = bench.limiter_redis.client(decode_responses=True).monitor()
+        self.monitor.__enter__()
+        self.thread = threading.Thread(target=self.listen, daemon=True)
+        self.thread.start()
+
+    def listen(self) -> None:
+        try:
+            for event in self.monitor.listen():
+                words = event.get("command", "").split()
+                if not words or event.get("client_type") == "lua":  # a script's own
+                    continue
+                verb = words[0].upper()
+                if verb == "EVALSHA" and len(words) > 1:
+                    self.counts[self.scripts.get(words[1], "other script")] += 1
+                elif verb in ("BLPOP", "LPOP"):
+                    self.counts[verb.lower()] += 1
+        except Exception:  # the monitor closed
+            return
+
+    def close(self) -> dict[str, int]:
+        time.sleep(0.2)
+        self.monitor.connection.disconnect()
+        return dict(self.counts)
+
+
 def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
     client = bench.client
-    client.delete("bench:spans", f"bench:runs:{name}")
+    client.delete("bench:spans", f"bench:runs:{name}", "bench:holders")
     client.config_resetstat()
+    kinds = CallKinds(bench)
     park_before = park_calls(client, "bench")
     task = getattr(bench.tasks, name)
     for _ in range(count):
@@ -55,6 +96,7 @@ def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
         time.sleep(0.05)
     time.sleep(0.3)
     spans = [tuple(int(x) for x in raw.split()) for raw in client.lrange("bench:spans", 0, -1)]
+    by_kind = kinds.close()
     stats = client.info("commandstats").get("cmdstat_evalsha", {})
     evalsha = int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
     decisions = evalsha - (park_calls(client, "bench") - park_before) - len(spans)
@@ -66,7 +108,14 @@ def drain(bench: Bench, name: str, count: int, slots: int) -> dict[str, Any]:
         "executed": len(spans),
         "utilization": round(busy / (slots * (last - first)), 3),
         "most_at_once": most_at_once(spans),  # type: ignore[arg-type]
+        # the most slots Redis had held when a body started (the anchor holds none)
+        "most_held": max(map(int, client.lrange("bench:holders", 0, -1)), default=0),
         "decisions_per_task": round(decisions / max(len(spans), 1), 3),
+        # every limiter call (the park's left out) per task, the release included
+        "calls_per_task": round(
+            sum(v for k, v in by_kind.items() if k != "park") / max(len(spans), 1), 3
+        ),
+        "calls_by_kind": {k: round(v / max(len(spans), 1), 3) for k, v in by_kind.items()},
         "drain_over_ideal": round((last - first) / 1e6 / ideal, 3),
     }
 
@@ -126,6 +175,11 @@ def run_all() -> dict[str, Any]:
     return {"slots": run_slots(), "pause": run_pause()}
 
 
+def kinds(by_kind: dict[str, float]) -> str:
+    """Calls per task by kind, largest first: ``acquire 1.00, blpop 0.97, ...``."""
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+
+
 def table(results: dict[str, Any]) -> list[str]:
     """The markdown table of docs/benchmarks.md, row 12."""
     s = results["slots"]
@@ -139,16 +193,18 @@ def table(results: dict[str, Any]) -> list[str]:
             (
                 label,
                 f"{d['utilization']:.2f}",
-                str(d["most_at_once"]),
-                f"{d['decisions_per_task']:.2f}" if "anchor" not in label else "-",
+                f"{d['most_at_once']} ({d['most_held']})" if "anchor" not in label else "-",
+                f"{d['calls_per_task']:.2f}" if "anchor" not in label else "-",
+                kinds(d["calls_by_kind"]) if "anchor" not in label else "-",
                 f"{d['drain_over_ideal']:.2f}",
             )
         )
     header = (
         f"{BACKLOG} bodies of {BODY:g} s, 3 nodes",
         "busy-slot utilization",
-        "most at once",
-        "decisions / task",
+        "most at once (held in Redis)",
+        "limiter calls / task",
+        "by kind",
         "drain / ideal",
     )
     lines = markdown(header, rows, right=1)
@@ -164,8 +220,18 @@ def table(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    global BODY, BACKLOG
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.parse_args()
+    parser.add_argument("--body", type=float, default=BODY, help="a body's seconds")
+    parser.add_argument("--backlog", type=int, default=BACKLOG, help="tasks a drain")
+    parser.add_argument(
+        "--slots-only", action="store_true", help="the drains alone (no pause row, no file)"
+    )
+    args = parser.parse_args()
+    BODY, BACKLOG = args.body, args.backlog
+    if args.slots_only:
+        print(json.dumps(run_slots(), indent=2))
+        return
     results = run_all()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "concurrency.json").write_text(json.dumps(results, indent=2))

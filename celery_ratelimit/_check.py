@@ -21,6 +21,7 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
+from . import _clock
 from ._base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
 from ._beside import attach
 from ._clock import observe, redis_eta
@@ -35,7 +36,7 @@ from ._park import park
 from ._plan import Plan
 from ._quiet import deferral
 from ._settings import limiter_for, park_after, setting
-from ._slots import Held, hold
+from ._slots import Held, hold, release
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -59,6 +60,17 @@ attach(DECISION_ATTR)
 #: A start pushed back by a late one is waited for only up to a quarter of this past
 #: its own slot (see ``lua/start.lua``).
 MAX_IN_PROCESS_WAIT = 0.2
+#: A waiting call whose only limit is one ``Concurrency`` waits this long (seconds) past
+#: its expected turn for the turn to be handed over to it (``Check.handed``) before it
+#: confirms its reservation as other calls do.
+HANDOFF_WAIT = 0.5
+#: ... and its deferred copy is due this long (seconds) before its expected turn, so that
+#: it is blocking for the turn when the slot is handed over, not on its way.
+HANDOFF_EARLY = 0.1
+#: A handed turn's short lease with less than this left (seconds) is renewed before the
+#: body starts; with more, the renewer renews it this long before it runs out (or
+#: halfway, if sooner): a body shorter than the short lease needs no renewal.
+HANDOFF_RENEW_NOW = 0.3
 #: A grant read too late to start on (see ``Check.start``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
 MAX_RESTAMPS = 5
@@ -112,6 +124,8 @@ class Check:
         self.mode = RESERVE if reserve else ACQUIRE
         self.slots = tuple(limit for limit in self.limits if isinstance(limit, Concurrency))
         self.lease = _lease(task, self.request, here.concurrency_lease) if self.slots else None
+        #: the call may be handed a turn: its only limit is one Concurrency
+        self.handy = len(self.limits) == 1 and bool(self.slots)
         self.tolerance = start_tolerance(self.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
         self.restamps = 0
@@ -152,6 +166,48 @@ class Check:
             self.metrics.rates(limiter, keys, limits)
         return decision
 
+    def handed(self, token: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the turn of the waiting call ``token`` to be
+        handed over to it (a body that ends gives its slot to the first waiter: see
+        ``lua/lib/concurrency.lua``). True: the slot is the call's and its body may start
+        (held until it ends, see ``_slots``), no decision asked for. False: no turn came,
+        the call cannot be handed one (:attr:`handy`), or Redis failed: confirm as usual.
+        """
+        if not self.handy or self.lease is None:
+            return False
+        try:
+            ends = self.limiter.handed(token, self.keys, self.limits, timeout)
+        except (LimiterUnavailable, LimiterMisconfigured) as exc:
+            logger.debug("ratelimit: could not wait for a handed turn: %s", exc)
+            return False
+        if ends is None:
+            return False
+        # how long its short lease has left, by Redis time; unknown (this process has not
+        # measured its clock's offset yet): renewed before the body starts
+        offset = _clock._offset
+        left = ends - time.time() - offset if offset is not None else 0.0
+        held = self.hold(token, time.monotonic() + max(left - HANDOFF_RENEW_NOW, left / 2))
+        if left < HANDOFF_RENEW_NOW:
+            try:
+                if not self.limiter.renew(held.token, held.keys, held.limits, lease=held.lease):
+                    release(self.request)  # its lease ran out: the turn is lost
+                    return False
+            except (LimiterUnavailable, LimiterMisconfigured):
+                pass  # the renewer tries again
+            held.due = None
+        setattr(self.request, DECISION_ATTR, Decision(True, 0, 0.0, 0.0, token=token, at=ends))
+        return True
+
+    def hold(self, token: str, due: float | None = None) -> Held:
+        """Note that the body holds its concurrency slots until it ends (see ``_slots``);
+        ``due``: time.monotonic() by which their lease must first be renewed."""
+        assert self.lease is not None
+        lease = min(slot.lease or self.lease for slot in self.slots)
+        keys = self.keys[-len(self.slots) :]
+        held = Held(self.limiter, keys, self.slots, token.partition(".")[0], lease, due=due)
+        hold(self.request, held)
+        return held
+
     def start(self, decision: Decision) -> float:
         """Let the body run, after the in-process wait the limiter counted (if any):
         returns 0.0; or, if the body would start too late for its grant, how late.
@@ -178,11 +234,7 @@ class Check:
             return late
         setattr(self.request, DECISION_ATTR, decision)
         if self.slots and decision.token is not None and self.lease is not None:
-            # held until the body ends (see _slots)
-            lease = min(slot.lease or self.lease for slot in self.slots)
-            keys = self.keys[-len(self.slots) :]
-            token = decision.token.partition(".")[0]
-            hold(self.request, Held(self.limiter, keys, self.slots, token, lease))
+            self.hold(decision.token)  # held until the body ends (see _slots)
         return 0.0
 
     def report_misconfigured(self, exc: LimiterMisconfigured) -> None:

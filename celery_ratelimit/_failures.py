@@ -66,6 +66,7 @@ ACL_COMMANDS = (
     ),
     *("zadd", "zcard", "zcount", "zmscore", "zrange", "zrangebyscore", "zrem"),
     *("zremrangebyscore", "zrevrangebyscore", "zscore", "pttl"),
+    *("rpush", "lpop", "blpop"),  # a concurrency turn handed over
 )
 
 

@@ -42,7 +42,10 @@ The counter (``algorithm="counter"``), a hash
 A concurrency limit (``lua/lib/concurrency.lua``), three sorted sets
     holders: token -> when its lease runs out (µs), and the meta member ``""`` = the
     average time a body held a slot (µs); starts: token -> when its body started;
-    waiters: token -> when its turn is expected.
+    waiters: token -> when its turn is expected. Beside them (``lua/lib/concurrency.lua``,
+    a turn handed over): holders + :data:`HANDOFF`, the waiters that may be handed a turn
+    (token -> until when), and holders + :data:`HANDOFF` + ``":"`` + the token in hex, a
+    list: the end (µs) of the lease of the turn handed to that call.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ FAIR_TAGS = ":q"
 FAIR_STATE = ":v"
 #: The meta member of a concurrency limit's holders: the average time a body held a slot.
 AVERAGE = ""
+#: Suffix of a concurrency limit's holders key naming its handoff keys (see the docstring).
+HANDOFF = ":go"
 #: Prefix of a calendar key's meta member for a window: ``"#" + its start`` (µs).
 WINDOW_META = "#"
 #: Field of a key's settings hash: until when (µs) the key is paused.
@@ -178,8 +183,21 @@ def companions(redis_key: str) -> list[str]:
 
 def stored_with(redis_key: str) -> list[str]:
     """Every key that goes with a limit's key and goes when it is reset: its
-    :func:`companions` and a fair limit's queue (:data:`FAIR_TAGS`, :data:`FAIR_STATE`)."""
-    return [*companions(redis_key), redis_key + FAIR_TAGS, redis_key + FAIR_STATE]
+    :func:`companions`, a fair limit's queue (:data:`FAIR_TAGS`, :data:`FAIR_STATE`) and
+    a concurrency limit's handoff marks (:data:`HANDOFF`; a handed turn's own list lapses
+    with its lease, and is not taken once its holder is gone)."""
+    return [
+        *companions(redis_key),
+        redis_key + FAIR_TAGS,
+        redis_key + FAIR_STATE,
+        redis_key + HANDOFF,
+    ]
+
+
+def handoff_list(redis_key: str, token: bytes) -> str:
+    """The list of the turn of concurrency limit ``redis_key`` handed to the call whose
+    token (bytes) is ``token``."""
+    return f"{redis_key}{HANDOFF}:{token.hex()}"
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ import redis
 
 from ._base import DEFAULT_PREFIX, LimiterBase, ScriptCall
 from ._client import HeldConnection, client_from_url
-from ._decision import Decision
-from ._exceptions import LimiterUnavailable, RateLimitError
+from ._decision import Decision, parse_token
+from ._exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
 from ._failures import check_versions, not_redis_error, translate
 from ._headers import Observation, parse
-from ._layout import keys_of, stored_with
-from ._limit import LimitSpec, to_limits
+from ._layout import handoff_list, keys_of, stored_with
+from ._limit import Concurrency, LimitSpec, to_limits
 from ._rate import Rate
 from ._scripts import DEFAULT_HORIZON, shape
 
@@ -241,6 +241,35 @@ class Limiter(LimiterBase):
             InvalidLimit / TypeError: a bad token or cost.
         """
         return self._decide(self._settle_call(token, key, limits, cost))
+
+    def handed(
+        self, token: str, key: str | Sequence[str], limits: LimitSpec, timeout: float
+    ) -> float | None:
+        """Wait up to ``timeout`` seconds (at most 1) for the turn of the waiting call
+        ``token``, whose only limit is one ``Concurrency``, to be handed over to it
+        (``lua/lib/concurrency.lua``): when a body ends, its slot goes to the first waiter
+        in line. Returns when the handed slot's lease runs out (Redis time, seconds since
+        the epoch): the slot is the call's, its body may start now (renew the lease to
+        keep it longer); or None: no turn came (confirm the reservation as usual).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote, or the limits are
+                not one ``Concurrency``.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``_failures``).
+        """
+        normalized = to_limits(limits)
+        if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
+            raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
+        name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
+        # blocked within the client's socket timeout, which would take it for a hung Redis
+        pool = getattr(self.client, "connection_pool", None)
+        socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 2.0
+        timeout = min(max(timeout, 0.01), 1.0, socket_timeout / 2)
+        try:
+            popped = self.client.blpop([name], timeout=timeout)
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "waiting for a handed turn") from exc
+        return None if popped is None else int(popped[1]) / 1_000_000
 
     def renew(
         self,

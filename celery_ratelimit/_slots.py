@@ -4,7 +4,9 @@ A body's slot (see ``Concurrency`` and ``lua/lib/concurrency.lua``) is taken by 
 lets it run. While the body runs, a thread of this process renews its lease every third
 of it; when the body ends, on every exit the tracer reports (success, an exception,
 ``Retry``, ``Reject``, ``Ignore``, a soft time limit), the ``task_postrun`` handler
-releases it. A body that cannot end normally (its process killed by a hard time limit,
+releases it. A body started on a turn handed over to it (``Check.handed``) holds its
+slot on a short lease at first: its first renewal comes before that lease runs out
+(``due``). A body that cannot end normally (its process killed by a hard time limit,
 ``revoke(terminate=True)``, a lost node) stops being renewed: its slot comes back when
 its lease runs out.
 """
@@ -41,6 +43,8 @@ class Held:
     token: str  # the call's token without its costs (these limits count none)
     lease: float
     renewed: float = field(default_factory=time.monotonic)
+    #: time.monotonic() by which the first renewal is due (a handed turn's short lease)
+    due: float | None = None
 
     def renew(self) -> None:
         if not self.limiter.renew(self.token, self.keys, self.limits, lease=self.lease):
@@ -51,11 +55,18 @@ class Held:
                 self.lease,
             )
         self.renewed = time.monotonic()
+        self.due = None
+
+    def renew_now(self, at: float) -> bool:
+        """True if the lease should be renewed at ``at`` (time.monotonic())."""
+        return at - self.renewed >= self.lease / 3 or (self.due is not None and at >= self.due)
 
 
 _held: dict[str, Held] = {}
 _lock = threading.Lock()
 _renewer_pid: int | None = None
+#: Wakes the renewer for a slot whose first renewal is due sooner than its next tick.
+_wake = threading.Event()
 
 
 def hold(request: Any, held: Held) -> None:
@@ -64,6 +75,8 @@ def hold(request: Any, held: Held) -> None:
     with _lock:
         _held[held.token] = held
     _start_renewer()
+    if held.due is not None:
+        _wake.set()
 
 
 def release(request: Any) -> None:
@@ -98,11 +111,15 @@ def _renew_forever() -> None:
     while True:
         with _lock:
             held = list(_held.values())
-        tick = min([1.0, *(one.lease / 4 for one in held)])
-        time.sleep(max(tick, 0.05))
+        now = time.monotonic()
+        tick = min(
+            [1.0, *(one.lease / 4 for one in held), *(one.due - now for one in held if one.due)]
+        )
+        _wake.wait(max(tick, 0.05))
+        _wake.clear()
         now = time.monotonic()
         for one in held:
-            if now - one.renewed >= one.lease / 3 and one.token in _held:
+            if one.renew_now(now) and one.token in _held:
                 try:
                     one.renew()
                 except Exception as exc:  # Redis away: the next tick tries again

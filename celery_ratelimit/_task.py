@@ -33,6 +33,8 @@ from ._check import (
     DECISION_ATTR,
     DEFERRALS_HEADER,
     DENIALS_HEADER,
+    HANDOFF_EARLY,
+    HANDOFF_WAIT,
     MAX_IN_PROCESS_WAIT,
     MAX_RESTAMPS,
     RETRIES_HEADER,
@@ -82,6 +84,8 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
     token = _token_header(task, request)
     restamp = False
     waits = 0
+    if token is not None and check.handed(token, HANDOFF_WAIT):
+        return  # its turn was handed over to it (the copy of a waiting call)
     while True:
         try:
             decision = check.decide(token, restamp)
@@ -114,15 +118,25 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
                 )
             continue
         restamp = False
-        if decision.reserved and decision.retry_after <= MAX_IN_PROCESS_WAIT and waits < MAX_WAITS:
-            # a turn moments away (a concurrency slot about to be free): wait for it here
+        # a turn moments away (a concurrency slot about to be free): wait for it here,
+        # for a call that may be handed its turn as long as it blocks for it
+        nearby = HANDOFF_WAIT if check.handy else MAX_IN_PROCESS_WAIT
+        if decision.reserved and decision.retry_after <= nearby and waits < MAX_WAITS:
             waits += 1
-            time.sleep(decision.retry_after)
             token = decision.token
+            if not check.handy:
+                time.sleep(decision.retry_after)
+            elif token is not None and check.handed(token, decision.retry_after + HANDOFF_WAIT):
+                return
             continue
         why, reason = _why(decision, plan.limits)
+        countdown = decision.retry_after
+        if check.handy and decision.reserved:
+            # its copy comes a little early and blocks for its turn (Check.handed): the
+            # slot handed over does not idle while the copy is on its way
+            countdown = max(countdown - HANDOFF_EARLY, 0.0)
         token = check.defer(
-            min(decision.retry_after, check.max_countdown),
+            min(countdown, check.max_countdown),
             decision.token if decision.reserved else None,
             reason,
             denied_by=decision.limit,

@@ -1,6 +1,7 @@
 -- release.lua — give back what the call ARGV[1] holds: its reservation (log entries and
 -- aligned-window entries still in the future, its pending slots), and its concurrency
--- slots or turns in line (its body has ended, or will not run).
+-- slots or turns in line (its body has ended, or will not run). A slot a body gives back
+-- goes to the first waiter in line, in this call (lib/concurrency.lua, conc_hand).
 --
 -- KEYS and ARGV: a decision's (lib/call.lua). ARGV[2], the flag: the algorithm of the
 -- sliding limits, "log" or "counter" (whose windows hold no entry to give back).
@@ -14,7 +15,9 @@
 local log = ARGV[2] == 'log'
 local c = read_call(KEYS, ARGV, log)
 local now = c.now
-read_settings(c)
+-- a body that ends hands its slot to the first waiter (lib/concurrency.lua), not while
+-- its key is paused
+local hand = read_settings(c) <= now
 local ks, cals = {}, {}
 if log then
   for i, spec in ipairs(c.logs) do
@@ -32,6 +35,6 @@ if lib then
     cals[j] = lib.cal_open(spec, c.token, now, true, true)
     lib.cal_release(cals[j], now)
   end
-  for _, cc in ipairs(c.concs) do lib.conc_release(cc, c.token, now) end
+  for _, cc in ipairs(c.concs) do lib.conc_release(cc, c.token, now, hand) end
 end
 return reply(4, now, 0, 0, now, ks, lib, cals, c.concs)

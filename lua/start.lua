@@ -37,6 +37,7 @@
 local c = read_call(KEYS, ARGV, true)
 local now, hold, reserved = c.now, c.hold, c.flag == 'reserved'
 local gate, gate_by = read_settings(c)
+local paused = gate > now
 if not reserved then gate, gate_by = now, 0 end  -- a grant's key was not paused then
 local ks, cals, firm = {}, {}, true
 for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, true) end
@@ -54,7 +55,12 @@ local function answer(status, at, retry_after, denied_by)
 end
 
 if #ks == 0 then
-  -- only aligned and concurrency limits: their gate decides
+  -- only aligned and concurrency limits: their gate decides. A turn handed over to this
+  -- call (lib/concurrency.lua, conc_hand) is its own: it starts now, on its full lease.
+  if reserved and not paused and #c.concs == 1 and #c.cals == 0
+    and lib.conc_handed(c.concs[1], c.token) then
+    return answer(1, now, 0, 0)
+  end
   if reserved and #c.concs > 0 and redis.call('ZSCORE', c.concs[1].s, c.token) then
     return {5, 0, 0, 0, 0, now}
   end

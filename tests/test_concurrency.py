@@ -207,15 +207,79 @@ def test_a_new_call_does_not_take_the_slot_of_a_waiter_whose_turn_has_come(
 
 
 def test_a_waiter_that_never_comes_gives_its_turn_up(limiter: Limiter) -> None:
+    """... also once handed it: the handed slot's lease is its turn plus the grace."""
     one = [Concurrency(1)]
     running = limiter.acquire("k", one)
     waiter = limiter.acquire("k", one, reserve=True)
-    assert running.token and waiter.reserved
+    assert running.token and waiter.reserved and waiter.token
     limiter.release(running.token, "k", one)
+    assert holders(limiter, "k", one[0]) == [bytes.fromhex(waiter.token)]  # handed
     deadline = waiter.at + 2.2  # its turn plus the grace (lua/lib/concurrency.lua GRACE)
     while server_us(limiter.client) < deadline * 1e6:
         time.sleep(0.05)
     assert limiter.acquire("k", one).allowed
+
+
+# -- a turn handed over ------------------------------------------------------------------
+
+
+def test_a_body_that_ends_hands_its_slot_to_the_first_waiter(limiter: Limiter) -> None:
+    one = [Concurrency(1)]
+    running = limiter.acquire("k", one)
+    first, second = (limiter.acquire("k", one, reserve=True) for _ in range(2))
+    assert running.token and first.token and second.token and first.reserved
+    assert limiter.handed(first.token, "k", one, 0.05) is None  # nothing handed yet
+    limiter.release(running.token, "k", one)
+    # the first waiter holds the slot at once: nobody else gets it, n is never exceeded
+    assert holders(limiter, "k", one[0]) == [bytes.fromhex(first.token)]
+    assert not limiter.acquire("k", one).allowed
+    ends = limiter.handed(first.token, "k", one, 0.5)
+    assert ends is not None and ends > server_us(limiter.client) / 1e6
+    assert limiter.handed(second.token, "k", one, 0.05) is None  # not its turn
+    # its body ends: the next waiter's copy finds its turn held for it when it confirms
+    limiter.release(first.token, "k", one)
+    assert limiter.confirm(second.token, "k", one).allowed
+    assert holders(limiter, "k", one[0]) == [bytes.fromhex(second.token)]
+    limiter.release(second.token, "k", one)
+    assert holders(limiter, "k", one[0]) == []
+
+
+def test_a_second_delivery_of_a_handed_turn_takes_no_second_slot(limiter: Limiter) -> None:
+    two = [Concurrency(2)]
+    running = [limiter.acquire("k", two) for _ in range(2)]
+    waiter = limiter.acquire("k", two, reserve=True)
+    assert waiter.token and all(r.token for r in running)
+    limiter.release(running[0].token or "", "k", two)
+    assert limiter.handed(waiter.token, "k", two, 0.5) is not None  # its body runs
+    again = limiter.confirm(waiter.token, "k", two)  # the same message delivered again
+    assert len(holders(limiter, "k", two[0])) <= 2
+    if again.allowed:
+        assert again.token
+        limiter.release(again.token, "k", two)
+    assert bytes.fromhex(waiter.token) in holders(limiter, "k", two[0])
+
+
+def test_a_call_with_another_limit_is_not_handed_a_turn(limiter: Limiter) -> None:
+    both: list[Any] = [Limit("100/s"), Concurrency(1)]
+    running = limiter.acquire("k", both)
+    waiter = limiter.acquire("k", both, reserve=True)
+    assert running.token and waiter.reserved and waiter.token
+    limiter.release(running.token, "k", both)
+    assert holders(limiter, "k", both[1]) == []  # the slot is free: its copy confirms
+    with pytest.raises(InvalidLimit):
+        limiter.handed(waiter.token, "k", both, 0.05)
+
+
+def test_a_paused_key_hands_no_turn_over(limiter: Limiter) -> None:
+    one = [Concurrency(1)]
+    running = limiter.acquire("k", one)
+    waiter = limiter.acquire("k", one, reserve=True)
+    assert running.token and waiter.token
+    limiter.pause("k", 5)
+    limiter.release(running.token, "k", one)
+    assert holders(limiter, "k", one[0]) == []
+    assert limiter.handed(waiter.token, "k", one, 0.05) is None
+    assert not limiter.confirm(waiter.token, "k", one).allowed
 
 
 # -- pauses ------------------------------------------------------------------------------

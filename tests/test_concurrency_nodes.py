@@ -5,6 +5,7 @@ worker's slot comes back after its lease; a 429 pause holds every node off the k
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from celery_ratelimit import Concurrency, Limiter
 from tests.nodes import Nodes
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
@@ -162,3 +164,50 @@ def test_a_429_pauses_the_key_on_every_node_and_the_task_runs_after_it(
     rerun = [r for r in runs if r["id"] == first][-1]
     assert rerun["retries"] == 0 and rerun["deferrals"] >= 1
     assert rerun["t"] >= until
+
+
+def _wait_for_a_handed_turn(url: str, prefix: str, ready: Any) -> None:
+    """A waiter of ``leased``: takes a turn in line, then blocks for it to be handed over
+    (as a worker does) until it is killed."""
+    limiter = Limiter.from_url(url, prefix=prefix)
+    leased = [Concurrency(1, key="leased", lease=3)]
+    decision = limiter.acquire("leased", leased, reserve=True)
+    assert decision.reserved and decision.token
+    ready.set()
+    while limiter.handed(decision.token, "leased", leased, 1.0) is None:
+        pass
+    time.sleep(60)  # its turn came: the body it never runs
+
+
+def test_a_turn_handed_to_a_waiter_whose_worker_died_comes_back_after_its_lease(
+    start_nodes: Callable[..., Nodes],
+) -> None:
+    """Concurrency(1, lease=3): a body runs on a node; a waiter blocked for its turn (as
+    a worker blocks) is SIGKILLed; the body ends and hands it the slot; a task sent then
+    still runs, once the handed turn's short lease runs out, never beside another body."""
+    nodes = start_nodes(count=1)
+    first = nodes.send("leased", 0, 1.5).id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(r["id"] == first for r in nodes.runs()):
+        time.sleep(0.05)
+    ready = multiprocessing.Event()
+    waiter = multiprocessing.Process(
+        target=_wait_for_a_handed_turn, args=(nodes.limiter_url, nodes.prefix, ready)
+    )
+    waiter.start()
+    assert ready.wait(10)
+    time.sleep(0.2)
+    assert waiter.pid is not None
+    os.kill(waiter.pid, signal.SIGKILL)
+    waiter.join()
+    wait_for(nodes, [first], 30)
+    second = nodes.send("leased", 1, 0.1).id
+    wait_for(nodes, [second], 30)
+    runs = Counter(r["id"] for r in nodes.runs())
+    assert runs[first] == 1 and runs[second] == 1, "a task was lost or ran twice"
+    spans = bodies(nodes, [first, second])
+    assert len(spans) == 2 and most_at_once(spans) <= 1
+    # the slot was the dead waiter's until its short lease (its turn, before the first
+    # body ended, + the 2 s grace) ran out, then came back
+    (_, ended), (started, _) = sorted(spans)
+    assert ended + 2_000_000 <= started <= ended + 12_000_000

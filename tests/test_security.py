@@ -180,6 +180,15 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
     assert limiter.confirm(waiter.token, f"acl:k{n}", slots).allowed
     time.sleep(0.5)  # its lease runs out
     assert limiter.acquire(f"acl:k{n}", [Concurrency(1, key=f"acl:k{n}")]).allowed
+    # a turn handed over: to a waiter blocked for it, then to one that confirms
+    alone = [Concurrency(1, key=f"acl:h{n}")]
+    running = limiter.acquire(f"acl:h{n}", alone)
+    first, second = (limiter.acquire(f"acl:h{n}", alone, reserve=True) for _ in range(2))
+    assert running.token and first.token and second.token
+    limiter.release(running.token, f"acl:h{n}", alone)
+    assert limiter.handed(first.token, f"acl:h{n}", alone, 0.5) is not None
+    limiter.release(first.token, f"acl:h{n}", alone)
+    assert limiter.confirm(second.token, f"acl:h{n}", alone).allowed
     limiter.pause(f"acl:k{n}", 0.4)
     assert limiter.acquire(f"acl:k{n}", slots).paused
     # overrides: for good, then for a while, then removed (the pause keeps the hash)

@@ -8,6 +8,17 @@
 --   waiters  token -> the instant its turn is expected (µs): denied calls that reserved
 --            a turn, in order; one later than its turn by more than GRACE gives its turn
 --            up (its task competes afresh if it ever comes)
+--   holders .. ":go"  token -> until when (µs) a waiter may be handed a turn: the
+--            waiters whose call has no other limit (see conc_hand)
+--   holders .. ":go:" .. the token in hex  a list: the end of the lease of the turn
+--            handed to that waiter (µs)
+--
+-- A turn handed over: a body that ends gives its slot, in the same script call, to the
+-- first waiter in line (in fair order for a fair limit: lib/fair.lua ordered the line)
+-- if that waiter may take one. The waiter holds the slot at once, on a short lease (its
+-- expected turn + GRACE), and its handoff list says so: its worker, blocked on that list
+-- (BLPOP) or confirming, starts the body without a second decision. A worker that died
+-- meanwhile loses the turn when that lease runs out, as a lost holder's slot comes back.
 --
 -- A call may start when fewer than `most` bodies hold a slot besides the waiters whose
 -- turn has come before it. Otherwise its turn: the n-th waiter in line (from 0) gets
@@ -22,6 +33,13 @@ local GRACE = 2000000
 local FIRST_GUESS = 100000
 -- Keys are kept this long (ms) after a write, with the average time they have learnt.
 local KEEP_MS = 86400000
+local HANDOFF = ':go'
+
+-- The handoff list of the call `token` under cc.
+local function conc_go(cc, token)
+  local hex = token:gsub('.', function(ch) return string.format('%02x', string.byte(ch)) end)
+  return cc.h .. HANDOFF .. ':' .. hex
+end
 
 -- The expected turn of the waiter `rank` places back in line under cc.
 local function conc_turn(cc, starts, rank, now)
@@ -49,8 +67,12 @@ local function conc_gate(cc, token, now, waiter, write)
   if #lapsed > 0 and write then
     redis.call('ZREM', cc.s, unpack(lapsed))
     redis.call('ZREMRANGEBYSCORE', cc.h, ENTRY_FLOOR, now)
+    for _, gone in ipairs(lapsed) do redis.call('DEL', conc_go(cc, gone)) end
   end
-  if write then redis.call('ZREMRANGEBYSCORE', cc.w, '-inf', '(' .. string.format('%.0f', now - GRACE)) end
+  if write then
+    redis.call('ZREMRANGEBYSCORE', cc.w, '-inf', '(' .. string.format('%.0f', now - GRACE))
+    redis.call('ZREMRANGEBYSCORE', cc.h .. HANDOFF, '-inf', now)
+  end
   local starts = redis.call('ZRANGE', cc.s, 0, -1, 'WITHSCORES')
   local held = #starts / 2 - (write and 0 or #lapsed)
   local mine = waiter and redis.call('ZSCORE', cc.w, token)
@@ -70,7 +92,7 @@ local function conc_gate(cc, token, now, waiter, write)
 end
 
 local function conc_keep(cc)
-  for _, key in ipairs({cc.h, cc.s, cc.w}) do
+  for _, key in ipairs({cc.h, cc.s, cc.w, cc.h .. HANDOFF}) do
     redis.call('PEXPIRE', key, KEEP_MS + math.ceil(cc.lease / 1000))
   end
 end
@@ -80,22 +102,53 @@ local function conc_take(cc, token, at)
   redis.call('ZADD', cc.h, at + cc.lease, token)
   redis.call('ZADD', cc.s, at, token)
   redis.call('ZREM', cc.w, token)
+  redis.call('ZREM', cc.h .. HANDOFF, token)
   cc.free = cc.free - 1
   conc_keep(cc)
 end
 
--- The call keeps a place in line for its turn at `at`.
-local function conc_wait(cc, token, at)
+-- The call keeps a place in line for its turn at `at`; `handy`: it may be handed a turn
+-- (it has no other limit).
+local function conc_wait(cc, token, at, handy)
   redis.call('ZREM', cc.h, token)
   redis.call('ZREM', cc.s, token)
   redis.call('ZADD', cc.w, at, token)
+  if handy then redis.call('ZADD', cc.h .. HANDOFF, at + GRACE, token) end
   conc_keep(cc)
 end
 
--- The call's body has ended (or will not run): its slot or turn is free again, and the
--- time it held the slot teaches the average.
-local function conc_release(cc, token, now)
+-- A slot was freed: the first waiter in line takes it now if it may be handed a turn and
+-- a slot is free, on a lease until its expected turn + GRACE; its handoff list says so.
+local function conc_hand(cc, now)
+  local first = redis.call('ZRANGEBYSCORE', cc.w, now - GRACE, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if #first == 0 or not redis.call('ZSCORE', cc.h .. HANDOFF, first[1])
+    or redis.call('ZCARD', cc.s) >= cc.most then
+    return
+  end
+  local token, ends = first[1], math.max(now, tonumber(first[2])) + GRACE
+  redis.call('ZADD', cc.h, ends, token)
+  redis.call('ZADD', cc.s, now, token)
   redis.call('ZREM', cc.w, token)
+  redis.call('ZREM', cc.h .. HANDOFF, token)
+  local go = conc_go(cc, token)
+  redis.call('DEL', go)
+  redis.call('RPUSH', go, string.format('%.0f', ends))
+  redis.call('PEXPIRE', go, math.ceil((ends - now) / 1000) + 1000)
+end
+
+-- The call `token` was handed a turn it has not taken yet, still held: it takes it (true).
+local function conc_handed(cc, token)
+  return redis.call('LPOP', conc_go(cc, token)) ~= false
+    and redis.call('ZSCORE', cc.h, token) ~= false
+end
+
+-- The call's body has ended (or will not run): its slot or turn is free again, handed
+-- over (when `hand`) to the first waiter, and the time it held the slot teaches the
+-- average.
+local function conc_release(cc, token, now, hand)
+  redis.call('ZREM', cc.w, token)
+  redis.call('ZREM', cc.h .. HANDOFF, token)
+  redis.call('DEL', conc_go(cc, token))
   local start = redis.call('ZSCORE', cc.s, token)
   if start then
     local took = now - tonumber(start)
@@ -104,6 +157,7 @@ local function conc_release(cc, token, now)
     redis.call('ZADD', cc.h, math.max(math.floor(avg), 1), '')
     redis.call('ZREM', cc.h, token)
     redis.call('ZREM', cc.s, token)
+    if hand then conc_hand(cc, now) end
   end
   conc_keep(cc)
 end

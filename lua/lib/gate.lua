@@ -37,11 +37,13 @@ end
 -- limits: a start at `at` takes a slot, a reservation keeps a place in line, and
 -- either counts the call in the window holding `at`.
 local function gate_commit(c, cals, status, at)
+  -- a call with one concurrency limit and no other may be handed a turn (conc_hand)
+  local handy = #c.concs == 1 and #c.logs == 0 and #c.cals == 0
   for _, cc in ipairs(c.concs) do
     if status == 1 or status == 6 then
       conc_take(cc, c.token, at)
     elseif status == 2 or status == 3 then
-      conc_wait(cc, c.token, at)
+      conc_wait(cc, c.token, at, handy)
     end
   end
   if status == 1 or status == 2 or status == 3 or status == 6 then
@@ -51,5 +53,6 @@ end
 
 return {open_cals = open_cals, at = gate_at, commit = gate_commit, cal_at = cal_at,
   cal_open = cal_open, cal_release = cal_release, cal_settle = cal_settle,
-  cal_state = cal_state, conc_release = conc_release, conc_renew = conc_renew}
+  cal_state = cal_state, conc_release = conc_release, conc_renew = conc_renew,
+  conc_handed = conc_handed}
 end
