@@ -65,11 +65,20 @@ def _ideal_s(tasks: int) -> float:
     return (math.ceil(tasks / RATE.limit) - 1) * RATE.window_us / 1e6
 
 
-def neighbour(bench: Bench, name: str, a_tasks: int) -> dict[str, Any]:
-    task = getattr(bench.tasks, name)
+def _begin(bench: Bench, name: str) -> tuple[Any, int]:
+    """A scenario's task, its runs and the server's call counts cleared; returns the task
+    and the park's calls so far (left out of the limiter calls, as in rows 6-7)."""
     bench.client.delete(f"bench:runs:{name}")
     bench.client.config_resetstat()
-    park_before = park_calls(bench.client, "bench")
+    return getattr(bench.tasks, name), park_calls(bench.client, "bench")
+
+
+def _limiter_calls(bench: Bench, park_before: int) -> int:
+    return _calls(bench) - (park_calls(bench.client, "bench") - park_before)
+
+
+def neighbour(bench: Bench, name: str, a_tasks: int) -> dict[str, Any]:
+    task, park_before = _begin(bench, name)
     for _ in range(a_tasks):
         task.delay("A")
     time.sleep(B_AFTER)
@@ -78,7 +87,7 @@ def neighbour(bench: Bench, name: str, a_tasks: int) -> dict[str, Any]:
         task.delay("B")
     count = a_tasks + B_TASKS
     rows = _collect(bench, name, count, _ideal_s(count) * 3 + 60)
-    calls = _calls(bench) - (park_calls(bench.client, "bench") - park_before)
+    calls = _limiter_calls(bench, park_before)
     starts = [s for s, _, _ in rows]
     b_starts = [s for s, _, tenant in rows if tenant == "B"]
     span = (max(starts) - min(starts)) / 1e6
@@ -98,15 +107,12 @@ def neighbour(bench: Bench, name: str, a_tasks: int) -> dict[str, Any]:
 
 
 def weighted(bench: Bench, name: str, each: int) -> dict[str, Any]:
-    task = getattr(bench.tasks, name)
-    bench.client.delete(f"bench:runs:{name}")
-    bench.client.config_resetstat()
-    park_before = park_calls(bench.client, "bench")
+    task, park_before = _begin(bench, name)
     for _ in range(each):
         task.delay("heavy")
         task.delay("light")
     rows = _collect(bench, name, 2 * each, _ideal_s(2 * each) * 3 + 60)
-    calls = _calls(bench) - (park_calls(bench.client, "bench") - park_before)
+    calls = _limiter_calls(bench, park_before)
     ordered = [tenant for _, _, tenant in sorted(rows)]
     # both flood until one of them has less than a window's worth left to start
     left = {"heavy": each, "light": each}
