@@ -32,7 +32,7 @@ from celery_ratelimit._layout import (
     redis_key,
 )
 from celery_ratelimit._ops import key_settings, key_status
-from celery_ratelimit._scripts import source
+from celery_ratelimit._scripts import GATED, source
 
 
 def lua_constant(script: str, name: str) -> float:
@@ -48,9 +48,17 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
-    assert f"return '{WINDOW_META}' .. string.format" in source("acquire")
+    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
     assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire")
     assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
+
+
+def test_a_call_of_sliding_limits_runs_no_calendar_or_concurrency_code() -> None:
+    for name in GATED:
+        assert "local function gate_lib" not in source(name), name
+        assert "local function gate_lib" in source(f"{name}_gated"), name
+        assert "local function cal_" not in source(name), name
+        assert "local function conc_" not in source(name), name
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
