@@ -170,6 +170,7 @@ class LimiterBase:
             return call
         log = call.keys[0]
         return call._replace(
+            script=shape.script(script, fair=True),
             keys=[*call.keys, log + FAIR_TAGS, log + FAIR_STATE],
             args=[*call.args, fair[0], repr(fair[1])],
         )

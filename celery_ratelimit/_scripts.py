@@ -33,6 +33,7 @@ GATED = ("acquire", "start", "release", "settle", "counter")
 NAMES = (
     *GATED,
     *(f"{name}_gated" for name in GATED),
+    "acquire_fair",
     "renew",
     "pause",
     "override",
@@ -152,10 +153,13 @@ class Shape:
         ``_gated`` entry scripts, the only ones holding their code."""
         return bool(self.aligned) or any(isinstance(one, Concurrency) for one in self.limits)
 
-    def script(self, operation: str) -> str:
+    def script(self, operation: str, fair: bool = False) -> str:
         """The entry script that decides ``operation`` (one of :data:`GATED`) for this
-        call."""
-        return f"{operation}_gated" if self.gated else operation
+        call; ``fair``: an acquire sent with a fair queue (``acquire_fair``, unless
+        gated)."""
+        if self.gated:
+            return f"{operation}_gated"
+        return f"{operation}_fair" if fair else operation
 
     @cached_property
     def args(self) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 -- acquire.lua — count a call now against every limit of its key, all or nothing, for a
--- call whose rate limits are all sliding logs (acquire_gated.lua: one with aligned or
--- concurrency limits too). The decision: lib/acquire_body.lua.
+-- call whose rate limits are all sliding logs (acquire_fair.lua: a reservation of a fair
+-- limit; acquire_gated.lua: a call with aligned or concurrency limits too). The
+-- decision: lib/acquire_body.lua.
 --
 -- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
 --   "now"      count it now, or deny (status 1 or 0)
@@ -13,7 +14,6 @@
 --- @include "lib/log.lua"
 --- @include "lib/log_search.lua"
 --- @include "lib/reply.lua"
---- @include "lib/fair.lua"
 --- @include "lib/acquire_body.lua"
 
-return acquire(read_call(KEYS, ARGV, true), nil)
+return acquire(read_call(KEYS, ARGV, true), nil, nil)

@@ -9,6 +9,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
+--- @include "lib/log_edit.lua"
 --- @include "lib/reply.lua"
 --- @include "lib/release_body.lua"
 

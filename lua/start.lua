@@ -16,6 +16,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
+--- @include "lib/log_edit.lua"
 --- @include "lib/log_search.lua"
 --- @include "lib/reply.lua"
 --- @include "lib/start_body.lua"

@@ -7,6 +7,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"
+--- @include "lib/log_edit.lua"
 --- @include "lib/log_search.lua"
 --- @include "lib/gate.lua"
 --- @include "lib/reply.lua"

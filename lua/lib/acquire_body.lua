@@ -2,7 +2,8 @@
 -- header: KEYS, ARGV, flags and reply): count the call `c` (lib/call.lua, read_call)
 -- now against every limit of its key, all or nothing, or reserve it. `gates`: the
 -- functions of lib/gate.lua (gate_lib) for a call with aligned or concurrency limits,
--- nil for a call with sliding limits only.
+-- nil for a call with sliding limits only. `place`: lib/fair.lua's fair_place, for a
+-- script that may be sent a fair queue (nil: none is).
 --
 -- A call that does not fit counting every entry still starts now when it fits counting
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
@@ -11,7 +12,7 @@
 -- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
 -- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
 
-local function acquire(c, gates)
+local function acquire(c, gates, place)
   local now, write = c.now, c.flag ~= 'peek'
   local gate, gate_by = read_settings(c, true)
   local ks, cals, firm = {}, {}, true
@@ -76,14 +77,14 @@ local function acquire(c, gates)
   if status == 2 and c.fair and #ks == 1 and not gates then
     -- a waiting call of a fair limit: its place among the waiting ones (lib/fair.lua)
     local k = ks[1]
-    slot = fair_place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
+    slot = place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
       math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
     if slot - now <= c.hold then status = 6 end
   elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
     -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
     local cc = c.concs[1]
     local keep = math.max(redis.call('PTTL', cc.h), 60000)
-    slot = fair_place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
+    slot = place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
   end
   if status == 2 then
     for _, k in ipairs(ks) do log_pend(k, slot, now) end
