@@ -1,9 +1,9 @@
--- lib/acquire_body.lua — the decision of acquire.lua and acquire_gated.lua (their
--- header: KEYS, ARGV, flags and reply): count the call `c` (lib/call.lua, read_call)
--- now against every limit of its key, all or nothing, or reserve it. `gates`: the
--- functions of lib/gate.lua (gate_lib) for a call with aligned or concurrency limits,
--- nil for a call with sliding limits only. `place`: lib/fair.lua's fair_place, for a
--- script that may be sent a fair queue (nil: none is).
+-- lib/acquire_body.lua — the decision of acquire.lua, acquire_fair.lua and
+-- acquire_gated.lua (their header: KEYS, ARGV, flags and reply): count the call `c`
+-- (lib/call.lua, read_call) now against every limit of its key, all or nothing, or
+-- reserve it. `gates`: the functions of lib/gate.lua (gate_lib) for a call with aligned
+-- or concurrency limits, nil for a call with sliding limits only. `place`:
+-- lib/fair.lua's fair_place, for a script that may be sent a fair queue (nil: none is).
 --
 -- A call that does not fit counting every entry still starts now when it fits counting
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
