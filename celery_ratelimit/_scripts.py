@@ -27,7 +27,7 @@ from ._exceptions import InvalidLimit
 from ._limit import DEFAULT_LEASE, Concurrency, check_cost
 
 #: The decisions that have a second entry script, ``<name>_gated``, for a call with
-#: calendar-aligned or concurrency limits (see :func:`script_for`).
+#: calendar-aligned or concurrency limits (see :meth:`Shape.script`).
 GATED = ("acquire", "start", "release", "settle", "counter")
 #: The entry scripts, by the name a limiter's calls use.
 NAMES = (
