@@ -141,17 +141,17 @@ class LimiterBase:
         token: str | None = None,
         redis_keys: list[str] | None = None,
     ) -> ScriptCall:
-        """The call of the decision script ``script`` with ``flag`` (see its header) for
-        ``key``: a code-given key, or escaped keys, one per limit (as :meth:`keys_for`
-        takes them); or, when ``redis_keys`` are given (from :meth:`keys_for`, or found
-        by a scan), for them."""
+        """The call of the decision ``script`` (one of ``_scripts.GATED``: the shape
+        picks its entry script) with ``flag`` (see its header) for ``key``: a code-given
+        key, or escaped keys, one per limit (as :meth:`keys_for` takes them); or, when
+        ``redis_keys`` are given (from :meth:`keys_for`, or found by a scan), for them."""
         if redis_keys is None:
             keys = self._prepared(key, shape)
         else:
             keys = self._every(redis_keys, shape.limits)
         token_bytes = os.urandom(TOKEN_BYTES) if token is None else parse_token(token)[0]
         args: list[Any] = [token_bytes, flag, *shape.arguments()]
-        return ScriptCall(script, keys, args, shape.limits, shape.costs)
+        return ScriptCall(shape.script(script), keys, args, shape.limits, shape.costs)
 
     def _acquire_call(
         self,
@@ -170,6 +170,7 @@ class LimiterBase:
             return call
         log = call.keys[0]
         return call._replace(
+            script=shape.script(script, fair=True),
             keys=[*call.keys, log + FAIR_TAGS, log + FAIR_STATE],
             args=[*call.args, fair[0], repr(fair[1])],
         )

@@ -2,10 +2,12 @@
 arguments a decision sends them.
 
 One entry script per operation (``lua/acquire.lua``, ``start.lua``, ``release.lua``,
-...), each opening with its KEYS, ARGV and reply. They share Lua functions with
-parameters, kept in ``lua/lib/``: a line ``--- @include "lib/log.lua"`` is replaced by
-that file's text (as BullMQ's scripts do), so that Redis runs one script while a reader
-has files of a readable size.
+...), each opening with its KEYS, ARGV and reply; a decision of a call with
+calendar-aligned or concurrency limits has its own (``acquire_gated.lua``, ...), so that
+a call of sliding rate limits only runs a script holding none of their code. They share
+Lua functions with parameters, kept in ``lua/lib/``: a line ``--- @include
+"lib/log.lua"`` is replaced by that file's text (as BullMQ's scripts do), so that Redis
+runs one script while a reader has files of a readable size.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from ._calendar import boundaries, zone_of
 from ._exceptions import InvalidLimit
 from ._limit import DEFAULT_LEASE, Concurrency, check_cost
 
+#: The decisions that have a second entry script, ``<name>_gated``, for a call with
+#: calendar-aligned or concurrency limits (see :meth:`Shape.script`).
+GATED = ("acquire", "start", "release", "settle", "counter")
 #: The entry scripts, by the name a limiter's calls use.
 NAMES = (
-    "acquire",
-    "start",
-    "release",
-    "settle",
-    "counter",
+    *GATED,
+    *(f"{name}_gated" for name in GATED),
+    "acquire_fair",
     "renew",
     "pause",
     "override",
@@ -143,6 +146,20 @@ class Shape:
             for limit in self.limits
             if not isinstance(limit, Concurrency) and limit.align is not None
         )
+
+    @cached_property
+    def gated(self) -> bool:
+        """Has the call calendar-aligned or concurrency limits? Its decisions then run the
+        ``_gated`` entry scripts, the only ones holding their code."""
+        return bool(self.aligned) or any(isinstance(one, Concurrency) for one in self.limits)
+
+    def script(self, operation: str, fair: bool = False) -> str:
+        """The entry script that decides ``operation`` (one of :data:`GATED`) for this
+        call; ``fair``: an acquire sent with a fair queue (``acquire_fair``, unless
+        gated)."""
+        if self.gated:
+            return f"{operation}_gated"
+        return f"{operation}_fair" if fair else operation
 
     @cached_property
     def args(self) -> tuple[int, ...]:

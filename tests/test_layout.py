@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from celery_ratelimit import Limit, Limiter
+from celery_ratelimit import Concurrency, Limit, Limiter
 from celery_ratelimit._cli import run_set
 from celery_ratelimit._keys import logical_key, render
 from celery_ratelimit._layout import (
@@ -32,7 +32,7 @@ from celery_ratelimit._layout import (
     redis_key,
 )
 from celery_ratelimit._ops import key_settings, key_status
-from celery_ratelimit._scripts import source
+from celery_ratelimit._scripts import GATED, shape, source
 
 
 def lua_constant(script: str, name: str) -> float:
@@ -48,9 +48,27 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
-    assert f"return '{WINDOW_META}' .. string.format" in source("acquire")
+    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
     assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire")
     assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
+
+
+def test_a_call_of_sliding_limits_runs_no_calendar_or_concurrency_code() -> None:
+    for name in GATED:
+        assert "local function gate_lib" not in source(name), name
+        assert "local function gate_lib" in source(f"{name}_gated"), name
+        assert "local function cal_" not in source(name), name
+        assert "local function conc_" not in source(name), name
+    assert "local function fair_place" not in source("acquire")
+    assert "local function fair_place" in source("acquire_fair")
+    plain, fair = shape((Limit("10/s"),), 1), True
+    assert (plain.script("acquire"), plain.script("acquire", fair)) == ("acquire", "acquire_fair")
+    for gated in (Limit("10/d", align="UTC"), Concurrency(2)):
+        both = shape((Limit("10/s"), gated), 1)
+        assert (both.script("start"), both.script("acquire", fair)) == (
+            "start_gated",
+            "acquire_gated",
+        )
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:

@@ -1,8 +1,9 @@
 -- lib/gate.lua — what holds a call back besides its sliding rate limits and a pause: its
 -- concurrency limits' turns and its aligned limits' windows, and what the answer writes
 -- to them. gate_lib() builds these functions (with lib/calendar.lua's and
--- lib/concurrency.lua's) and returns them; a script calls it only for a call that
--- declares such limits, so a plain rate limit pays for none of it.
+-- lib/concurrency.lua's) and returns them. Only the _gated entry scripts include this
+-- file, for a call that declares such limits: a plain rate limit's script holds none of
+-- it.
 
 local function gate_lib()
 --- @include "lib/calendar.lua"

@@ -1,0 +1,93 @@
+-- lib/acquire_body.lua — the decision of acquire.lua, acquire_fair.lua and
+-- acquire_gated.lua (their header: KEYS, ARGV, flags and reply): count the call `c`
+-- (lib/call.lua, read_call) now against every limit of its key, all or nothing, or
+-- reserve it. `gates`: the functions of lib/gate.lua (gate_lib) for a call with aligned
+-- or concurrency limits, nil for a call with sliding limits only. `place`:
+-- lib/fair.lua's fair_place, for a script that may be sent a fair queue (nil: none is).
+--
+-- A call that does not fit counting every entry still starts now when it fits counting
+-- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
+-- start confirmed late would take that room too.
+--
+-- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
+-- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
+
+local function acquire(c, gates, place)
+  local now, write = c.now, c.flag ~= 'peek'
+  local gate, gate_by = read_settings(c, true)
+  local ks, cals, firm = {}, {}, true
+  for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
+  if gates then
+    cals = gates.open_cals(c, write, false)
+    gate, gate_by, firm = gates.at(c, c.concs, cals, gate, gate_by, false, write)
+  end
+
+  local function answer(status, at, retry_after, denied_by)
+    if write then
+      for _, k in ipairs(ks) do log_flush(k) end
+      if gates then gates.commit(c, cals, status, at) end
+      if status == 1 or status == 2 or status == 6 then seen_take(c, at) end
+    end
+    return reply(status, at, retry_after, denied_by, now, ks, gates, cals, c.concs)
+  end
+
+  if gate == now then
+    local fits = true
+    for _, k in ipairs(ks) do
+      if pace_at(k.pace, k.cost, now) > now or k.total + k.cost > k.limit
+        and (log_abandoned(k, now) == 0 or log_start_in(k, now, now, c.hold) > now) then
+        fits = false
+        break
+      end
+    end
+    if fits then
+      if write then
+        for _, k in ipairs(ks) do log_add(k, now, now) end
+      end
+      return answer(1, now, 0, 0)
+    end
+  end
+
+  local at, denied_by = now, 0
+  for i, k in ipairs(ks) do
+    local excess = k.total + k.cost - k.limit
+    if excess > 0 then
+      local s = log_free_at(k, excess, now)
+      if s > at then at, denied_by = s, i end
+    end
+    local s = pace_at(k.pace, k.cost, now)
+    if s > at then at, denied_by = s, i end
+  end
+  if gate > at then at, denied_by = gate, gate_by end
+  if #cals > 0 then
+    local s, by = gates.cal_at(cals, at, now, c.horizon)
+    if s > at then at, denied_by = s, #ks + by end
+  end
+
+  if c.flag == 'peek' then
+    if denied_by == 0 then return answer(1, now, 0, 0) end
+    return answer(0, now, at - now, denied_by)
+  end
+  if denied_by ~= 0 and (c.flag ~= 'reserve' or at - now > c.horizon) then
+    return answer(0, now, at - now, denied_by)
+  end
+  local status, slot = 1, at
+  if denied_by ~= 0 then status = (at - now > c.hold or not firm) and 2 or 6 end
+  for _, k in ipairs(ks) do log_add(k, at, now) end
+  if status == 2 and c.fair and #ks == 1 and not gates then
+    -- a waiting call of a fair limit: its place among the waiting ones (lib/fair.lua)
+    local k = ks[1]
+    slot = place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
+      math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
+    if slot - now <= c.hold then status = 6 end
+  elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
+    -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
+    local cc = c.concs[1]
+    local keep = math.max(redis.call('PTTL', cc.h), 60000)
+    slot = place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
+  end
+  if status == 2 then
+    for _, k in ipairs(ks) do log_pend(k, slot, now) end
+  end
+  return answer(status, slot, slot - now, denied_by)
+end

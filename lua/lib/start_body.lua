@@ -1,0 +1,110 @@
+-- lib/start_body.lua — the start of start.lua and start_gated.lua (their header: KEYS,
+-- ARGV, flags and reply): start the call `c` (lib/call.lua, read_call). `gates`: the
+-- functions of lib/gate.lua (gate_lib) for a call with aligned or concurrency limits,
+-- nil for a call with sliding limits only. The one place the timing rules of a start
+-- live.
+--
+-- From t0 = max(now, slot), the task starts at the earliest instant its cost fits
+-- every window counting what really started (lib/log.lua, log_start_in); its entry
+-- moves there: now (status 1) or within `hold` (status 6), when that is at most `hold`
+-- / 4 past t0. A late task thus never bunches with the next ones, and an overdue one
+-- starts ahead of the slots still to come when their room is free. Otherwise (status 3)
+-- it is placed as a new reservation would be, counting every entry: taking the next
+-- room that started tasks leave would push the task due there, and that one the next,
+-- a chain of deferrals through the whole backlog; waiting longer in-process would make
+-- every task after a late one wait as long.
+-- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
+-- checked, by the same rule, in a window of one interval holding at most the burst
+-- (pace_window): a task whose copy came late never bunches with the starts before it.
+-- A task placed anew takes a paced slot as a reservation does, and not one in an
+-- interval that late starts have filled.
+
+local function start(c, gates)
+  local now, hold, reserved = c.now, c.hold, c.flag == 'reserved'
+  local gate, gate_by = read_settings(c)
+  local paused = gate > now
+  if not reserved then gate, gate_by = now, 0 end  -- a grant's key was not paused then
+  local ks, cals, firm = {}, {}, true
+  for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, true) end
+  if gates then
+    cals = gates.open_cals(c, true, true)
+    -- a grant already holds its concurrency slots
+    gate, gate_by, firm = gates.at(c, reserved and c.concs or {}, cals, gate, gate_by, reserved,
+      true)
+  end
+
+  local function answer(status, at, retry_after, denied_by)
+    for _, k in ipairs(ks) do log_flush(k) end
+    if gates then gates.commit(c, cals, status, at) end
+    return reply(status, at, retry_after, denied_by, now, ks, gates, cals, c.concs)
+  end
+
+  if #ks == 0 then
+    -- only aligned and concurrency limits: their gate decides. A turn handed over to this
+    -- call (lib/concurrency.lua, conc_hand) is its own: it starts now, on its full lease.
+    if reserved and not paused and #c.concs == 1 and #c.cals == 0
+      and gates.conc_handed(c.concs[1], c.token) then
+      return answer(1, now, 0, 0)
+    end
+    if reserved and #c.concs > 0 and redis.call('ZSCORE', c.concs[1].s, c.token) then
+      return {5, 0, 0, 0, 0, now}
+    end
+    if gate <= now then return answer(1, now, 0, 0) end
+    return answer(3, gate, gate - now, gate_by)
+  end
+
+  local slot = nil
+  if reserved then
+    local k = ks[1]
+    slot = redis.call('ZSCORE', k.pending, k.member)
+    slot = slot and tonumber(slot)
+    if slot and slot - now > hold then return answer(3, slot, slot - now, 0) end
+    if not slot and redis.call('ZSCORE', k.key, k.member) then
+      for _, one in ipairs(ks) do log_flush(one) end
+      return reply(5, now, 0, 0, now, ks, gates, cals, c.concs)
+    end
+  end
+
+  local t0 = math.max(slot or now, now)
+  local start = t0
+  for _, k in ipairs(ks) do
+    local s = log_start_in(k, t0, now, hold)
+    if s > start then start = s end
+    if k.pace then
+      s = log_start_in(pace_window(k), t0, now, hold)
+      if s > start then start = s end
+    end
+  end
+  if gate > now or start - now > hold or start - t0 > hold / 4 then
+    -- no room soon counting what started: placed as a new reservation, not before the gate
+    start = gate
+    for _, k in ipairs(ks) do
+      local own = redis.call('ZSCORE', k.key, k.member)
+      if own then log_remove(k, tonumber(own), now) end
+      local excess = k.total + k.cost - k.limit
+      if excess > 0 then
+        local s = log_free_at(k, excess, now)
+        if s > start then start = s end
+      end
+      start = math.max(start, pace_at(k.pace, k.cost, now))
+    end
+    for _, k in ipairs(ks) do
+      if k.pace then start = math.max(start, log_start_in(pace_window(k), start, now, hold)) end
+    end
+  end
+  if #cals > 0 then start = gates.cal_at(cals, start, now, c.horizon) end
+
+  local wait = start - now
+  local later = wait > hold or not firm
+  for _, k in ipairs(ks) do
+    if redis.call('ZSCORE', k.key, k.member) then
+      log_move(k, start, now)
+    else
+      log_add(k, start, now)
+    end
+    log_pend(k, later and start or nil, now)
+  end
+  if later then return answer(3, start, wait, 0) end
+  if wait > 0 then return answer(6, start, wait, 0) end
+  return answer(1, now, 0, 0)
+end
