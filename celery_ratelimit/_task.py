@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Task, signals
+from celery.exceptions import Retry
 
 from ._check import (
     DECISION_ATTR,
@@ -283,7 +284,14 @@ class RateLimitedTask(Task):  # type: ignore[misc]
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check the shared limit before the body runs; defer (``Retry``) if denied."""
-        enforce(self, args, kwargs)
+        try:
+            enforce(self, args, kwargs)
+        except Retry as exc:
+            # raised again with a fresh traceback: Celery's pool copies every frame of a
+            # Retry's traceback (each frame's code positions, 600-700 for enforce and
+            # Check.defer each), formats it and pickles it to the node's main process;
+            # the frames below this one cost 2-3 ms of CPU a deferral (docs/benchmarks.md)
+            raise exc.with_traceback(None) from None
         super().before_start(task_id, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,7 +316,10 @@ def wrap_before_start(cls: Any) -> None:
     def before_start(
         self: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        enforce(self, args, kwargs)
+        try:
+            enforce(self, args, kwargs)
+        except Retry as exc:
+            raise exc.with_traceback(None) from None  # see RateLimitedTask.before_start
         original(self, task_id, args, kwargs)
 
     before_start.__doc__ = RateLimitedTask.before_start.__doc__
