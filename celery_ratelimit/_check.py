@@ -27,7 +27,7 @@ from ._beside import attach
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
-from ._green import give_way
+from ._green import give_way, lead
 from ._keys import logical_key
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
@@ -153,7 +153,10 @@ class Check:
         if self.fair is not None:
             fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
         if token is None:
-            decision = limiter.acquire(keys, limits, costs, reserve=reserve, **options, **fair)
+            ahead = lead(limits)
+            decision = limiter.acquire(
+                keys, limits, costs, reserve=reserve, lead=ahead, **options, **fair
+            )
         elif restamp:
             decision = limiter.restamp(token, keys, limits, costs, **options)
         else:
