@@ -89,9 +89,8 @@ def give_way(countdown: float) -> float:
 
 def lead(limits: tuple[Any, ...]) -> float:
     """How long after now (seconds) a grant of ``limits`` made now is counted:
-    :data:`COLD_LEAD` on a green pool during the first window (the tightest sliding
-    window of ``limits``) of decisions after this process made none for a window, else
-    0.0. Noted as a decision made now.
+    :data:`COLD_LEAD` on a green pool during this process's first window of decisions
+    after a quiet spell (see :func:`cold_lead`), else 0.0. Noted as a decision made now.
 
     A grant counted later than its start never lets a window hold more starts than the
     limit (every later decision counts its entry); it moves the next window's slots
@@ -104,7 +103,16 @@ def lead(limits: tuple[Any, ...]) -> float:
         default=0.0,
     )
     now = time.monotonic()
-    if now - _last_decision > window:
-        _cold_since = now
+    ahead, _cold_since = cold_lead(now, window, _last_decision, _cold_since)
     _last_decision = now
-    return COLD_LEAD if now - _cold_since < window else 0.0
+    return ahead
+
+
+def cold_lead(now: float, window: float, last: float, since: float) -> tuple[float, float]:
+    """(the lead of a decision made at ``now``, when the cold spell it belongs to began):
+    a decision more than ``window`` after the ``last`` one begins a cold spell; every
+    decision within ``window`` of its spell's beginning (``since``) is led by
+    :data:`COLD_LEAD`. A call with no sliding window (``window`` 0) is never led."""
+    if now - last > window:
+        since = now
+    return (COLD_LEAD if now - since < window else 0.0), since
