@@ -4,7 +4,8 @@ Configured from the environment by benchmarks/bench_celery.py: CRL_BENCH_BROKER,
 CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours only),
 CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds), CRL_BENCH_SETTINGS
 (more ``app.conf`` settings, a JSON object), CRL_BENCH_FLOOD_RATE (the limit of
-``flood``, default CRL_BENCH_RATE). Each task appends
+``flood``, default CRL_BENCH_RATE), CRL_BENCH_FLOOD_TRACE (``flood`` rows get their
+decision's timeline too). Each task appends
 ``"<started_us> <granted_us> <deferrals>"`` (then the tenant, for the fair-shares
 tasks) to ``bench:runs:<task>`` on the limiter's Redis.
 """
