@@ -162,6 +162,9 @@ class Shape:
             raise InvalidLimit(
                 f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
             )
+        lead = self.lead
+        if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= horizon:
+            raise InvalidLimit(f"lead must be 0 to the horizon, in seconds, got {lead!r}")
         rates = [
             (limit, cost)
             for limit, cost in zip(self.limits, self.costs, strict=True)

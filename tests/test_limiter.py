@@ -379,6 +379,8 @@ def test_a_led_grant_is_counted_later_and_the_next_window_comes_after_it(
     denied = limiter.acquire("led", rate, lead=lead, reserve=True)
     assert denied.reserved and us(denied.at) == log[0][0] + 300_000
     assert max_in_window(entries(redis_client, key), 300_000) == 3
+    with pytest.raises(InvalidLimit, match="lead"):
+        limiter.acquire("led", rate, lead=-1.0)
 
 
 def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
