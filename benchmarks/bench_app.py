@@ -4,7 +4,8 @@ Configured from the environment by benchmarks/bench_celery.py: CRL_BENCH_BROKER,
 CRL_BENCH_REDIS (the limiter's own redis-server, so its command counts are ours only),
 CRL_BENCH_RATE, CRL_BENCH_PARK_AFTER ("auto", "none" or seconds), CRL_BENCH_SETTINGS
 (more ``app.conf`` settings, a JSON object), CRL_BENCH_FLOOD_RATE (the limit of
-``flood``, default CRL_BENCH_RATE). Each task appends
+``flood``, default CRL_BENCH_RATE), CRL_BENCH_FLOOD_TRACE (``flood`` rows get their
+decision's timeline too). Each task appends
 ``"<started_us> <granted_us> <deferrals>"`` (then the tenant, for the fair-shares
 tasks) to ``bench:runs:<task>`` on the limiter's Redis.
 """
@@ -238,6 +239,23 @@ STAMP_SCRIPT = (
 #: Row 9b's task may be declared with a margin (``10/1.1s``), which Celery's own
 #: ``rate_limit`` of the anchor task could not parse.
 FLOOD_RATE = os.environ.get("CRL_BENCH_FLOOD_RATE") or RATE
+#: CRL_BENCH_FLOOD_TRACE=1: each flood row also gets its last decision's local send and
+#: reply-read instants (Redis time, µs): the timeline of row 9b's analysis.
+FLOOD_TRACE = bool(os.environ.get("CRL_BENCH_FLOOD_TRACE"))
+_traced: dict[str, tuple[float, float]] = {}
+
+if FLOOD_TRACE:
+    from celery_ratelimit import _check
+
+    _decide = _check.Check.decide
+
+    def _traced_decide(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = time.time()
+        decision = _decide(self, *args, **kwargs)
+        _traced[self.request.id] = (sent, time.time())
+        return decision
+
+    _check.Check.decide = _traced_decide  # type: ignore[method-assign]
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(FLOOD_RATE, key="flood"), bind=True)
@@ -255,7 +273,12 @@ def flood(self: Any) -> None:
     decision = getattr(self.request, "ratelimit_decision", None)
     granted = int(decision.at * 1_000_000) if decision is not None else line
     deferrals = getattr(self.request, "ratelimit_deferrals", 0) or 0
-    _client.eval(STAMP_SCRIPT, 1, "bench:runs:flood", line, f"{granted} {deferrals}")
+    more = ""
+    if FLOOD_TRACE:
+        offset = _clock._offset or 0.0
+        sent, read = _traced.pop(self.request.id, (0.0, 0.0))
+        more = f" {int((sent + offset) * 1e6)} {int((read + offset) * 1e6)} {os.getpid()}"
+    _client.eval(STAMP_SCRIPT, 1, "bench:runs:flood", line, f"{granted} {deferrals}{more}")
 
 
 #: The upstream of the bench_upstream scenarios (tests/upstream.py) and the rate the

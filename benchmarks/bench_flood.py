@@ -11,6 +11,10 @@ upstream sees). Each run's figures: most first lines and most first I/Os in any 
 window / limit, and how long after its first line a body's first I/O reached the
 server (the hub's latency for that body).
 
+``--timeline`` prints each run's first twenty starts: when the decision was sent, the
+server's time of it, when its reply was read, the first line and the first I/O (ms
+from the first line; the nodes run with ``CRL_BENCH_FLOOD_TRACE=1``).
+
 ``--setting name=value`` runs the nodes with an extra ``app.conf`` setting (repeatable);
 ``--rate 10/1.1s`` declares the task's limit with a margin (windows still counted at
 1 s against 10: what an upstream allowing 10 a second sees).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -79,6 +84,21 @@ def one_run(
         "deferrals_per_task": sum(r[3] for r in rows) / len(rows),
         "rows": rows,  # first line, first I/O, granted (us), deferrals
     }
+
+
+def timeline(rows: list[list[int]]) -> str:
+    """The first twenty starts of a traced run (``CRL_BENCH_FLOOD_TRACE``), one a line:
+    decision sent, decided (server), reply read, first line, first I/O, in ms from the
+    first line; then the I/O's lag behind the line, the deferrals and the node's pid."""
+    ordered = sorted(rows)
+    t0 = ordered[0][0]
+    lines = ["   sent decided   read   line    I/O    lag deferrals pid"]
+    for line, io, granted, deferrals, sent, read, pid in ordered[:20]:
+        ms = [(t - t0) / 1000 for t in (sent, granted, read, line, io)]
+        lines.append(
+            " ".join(f"{x:6.1f}" for x in ms) + f" {(io - line) / 1000:6.1f} {deferrals} {pid}"
+        )
+    return "\n".join(lines)
 
 
 def flood_runs(
@@ -151,8 +171,21 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--rate", default=RATE, help="the task's declared limit")
     parser.add_argument("--out", default="flood.json", help="file name in benchmarks/results")
+    parser.add_argument("--timeline", action="store_true", help="print each run's first starts")
     args = parser.parse_args()
     settings = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.setting)}
+    if args.timeline:
+        os.environ["CRL_BENCH_FLOOD_TRACE"] = "1"
+        for pool, concurrency in POOLS:
+            if not args.pool or pool in args.pool:
+                for _ in range(args.runs):
+                    run = one_run(pool, concurrency, args.busy == "busy", settings, args.rate)
+                    print(
+                        f"{pool}: by first line {run['lines_over_limit']:.2f}, "
+                        f"by first I/O {run['ios_over_limit']:.2f}"
+                    )
+                    print(timeline(run["rows"]))
+        return
     results = [
         flood_runs(pool, concurrency, busy, args.runs, settings, args.rate)
         for pool, concurrency in POOLS

@@ -72,9 +72,10 @@ class AsyncLimiter(LimiterBase):
         lease: float | None = None,
         fair: str | None = None,
         fair_weight: float | None = None,
+        lead: float = 0.0,
     ) -> Decision:
         """As :meth:`Limiter.acquire`."""
-        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
         fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
         how = "reserve" if reserve else "now"
         return await self._decide(self._acquire_call(key, call, how, fair=fairly))

@@ -27,7 +27,7 @@ from ._beside import attach
 from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
-from ._green import give_way
+from ._green import give_way, lead
 from ._keys import logical_key
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
@@ -128,6 +128,7 @@ class Check:
         self.handy = len(self.limits) == 1 and bool(self.slots)
         self.tolerance = start_tolerance(self.limits, self.guard)
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
+        self.lead = 0.0  # how long after its decision the last grant was counted
         self.restamps = 0
 
     def setting(self, name: str) -> Any:
@@ -152,8 +153,11 @@ class Check:
         fair: dict[str, Any] = {}
         if self.fair is not None:
             fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
+        self.lead = lead(limits) if token is None else 0.0
         if token is None:
-            decision = limiter.acquire(keys, limits, costs, reserve=reserve, **options, **fair)
+            decision = limiter.acquire(
+                keys, limits, costs, reserve=reserve, lead=self.lead, **options, **fair
+            )
         elif restamp:
             decision = limiter.restamp(token, keys, limits, costs, **options)
         else:
@@ -218,8 +222,10 @@ class Check:
         late: then bodies granted in one window could start in the next one, together
         with that window's own. Its grant is then stale, and restamped (see
         ``Limiter.restamp``, ``lua/start.lua``) at the instant it really starts. Up to half
-        the guard of lateness is absorbed by the windows' slack instead. The bound
-        needs no clock but this process's: Redis decided after ``self.sent``.
+        the guard of lateness is absorbed by the windows' slack instead, and a grant
+        counted ahead of its decision (a cold start on a green pool, ``_green.lead``)
+        may start as much later. The bound needs no clock but this process's: Redis
+        decided after ``self.sent``.
         """
         if decision.retry_after > 0:
             # Its start is moments away and already counted for that instant (the
@@ -228,6 +234,8 @@ class Check:
                 self.metrics.held(self.plan.limits)
             time.sleep(decision.retry_after)
         late = time.monotonic() - self.sent - decision.retry_after
+        if decision.retry_after == 0:
+            late -= self.lead  # a led grant is counted that much after its decision
         if late > self.tolerance and decision.token is not None:
             if self.metrics is not None:
                 self.metrics.late_start(self.plan.limits)

@@ -90,6 +90,7 @@ class Limiter(LimiterBase):
         lease: float | None = None,
         fair: str | None = None,
         fair_weight: float | None = None,
+        lead: float = 0.0,
     ) -> Decision:
         """Count ``cost`` against every limit for ``key`` now, if all of them allow it.
 
@@ -113,6 +114,9 @@ class Limiter(LimiterBase):
                 (its plain ``fair_key`` when not given) and its weight (the Limit's
                 when not given): a reservation takes its place among the waiting calls
                 by weighted fair shares (docs/design.md, "Fair shares").
+            lead: seconds after now at which a grant is counted, for a body whose
+                first request is expected that much after its start (the Celery layer
+                on gevent and eventlet: docs/design.md, "A cold start on a green pool").
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
@@ -120,7 +124,7 @@ class Limiter(LimiterBase):
             LimiterMisconfigured: Redis refuses the limiter (a permission, a password,
                 its version): the message names the fix.
         """
-        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
         fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
         how = "reserve" if reserve else "now"
         return self._decide(self._acquire_call(key, call, how, fair=fairly))

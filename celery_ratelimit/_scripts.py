@@ -87,6 +87,8 @@ class Shape:
     ``retry_after`` > 0: the caller waits that long and runs with no second call.
     ``lease``: a concurrency limit's lease when it gives none (None: ``DEFAULT_LEASE``).
     ``settling``: the costs are a settle's real ones (0, or above a limit, allowed).
+    ``lead`` (an acquisition only): a grant is counted this long after now, where its
+    body's first request is expected (``_green.lead``); 0: now.
 
     Hashable, so a limiter remembers what it sends for a shape; its arguments are worked
     out, and checked, once.
@@ -99,6 +101,7 @@ class Shape:
     hold: float = 0.0
     lease: float | None = None
     settling: bool = False
+    lead: float = 0.0
 
     @property
     def cacheable(self) -> bool:
@@ -176,6 +179,9 @@ class Shape:
             raise InvalidLimit(
                 f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
             )
+        lead = self.lead
+        if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= horizon:
+            raise InvalidLimit(f"lead must be 0 to the horizon, in seconds, got {lead!r}")
         rates = [
             (limit, cost)
             for limit, cost in zip(self.limits, self.costs, strict=True)
@@ -218,12 +224,15 @@ class Shape:
 
     def arguments(self) -> list[int | str]:
         """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
-        machine's clock now, :attr:`leases` and :attr:`paces`."""
+        machine's clock now, :attr:`leases`, :attr:`paces`, and ``"#lead"`` with the
+        lead when there is one (a call without sends what it always did)."""
         every: list[int | str] = list(self.args)
         for window, zone in self.aligned:
             every += boundaries(window, zone)
         every += self.leases
         every += self.paces
+        if self.lead > 0:
+            every += ("#lead", _us(self.lead))
         return every
 
 
@@ -241,12 +250,13 @@ def shape(
     hold: float = 0.0,
     lease: float | None = None,
     settling: bool = False,
+    lead: float = 0.0,
 ) -> Shape:
     """A :class:`Shape` (a sequence of costs made a tuple, so that it hashes), the one
     made before for the same arguments if it may be remembered."""
     if isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
         cost = tuple(cost)
-    every = (limits, cost, horizon, guard, hold, lease, settling)
+    every = (limits, cost, horizon, guard, hold, lease, settling, lead)
     costs = cost if type(cost) is tuple else (cost,)
     if not all(type(one) is int for one in costs):
         # a bool or a float hashes like an int: never looked up, checked every time

@@ -359,6 +359,30 @@ def test_reservations_never_overfill_any_window(
     assert redis_client.pttl(key) > 300 * 3  # kept until the last reservation has left
 
 
+def test_a_led_grant_is_counted_later_and_the_next_window_comes_after_it(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """``lead`` (a cold start on a green pool): a grant is counted that long after it
+    is made; no window holds more than the limit, and the next window's slots are
+    placed one window after the led entries, not after the grants."""
+    rate, lead = Limit("3/300ms"), 0.1
+    key = log_key(limiter, "led", rate)
+    before = server_us(redis_client)
+    led = [limiter.acquire("led", rate, lead=lead) for _ in range(3)]
+    after = server_us(redis_client)
+    assert all(d.allowed and d.retry_after == 0 for d in led)
+    assert all(before <= us(d.at) <= after for d in led)  # answered for now
+    log = entries(redis_client, key)
+    assert [t for t, _ in log] == [us(d.at) + 100_000 for d in led]
+    # a fourth call within the window is denied; its slot comes a window after the
+    # first led entry, and no window holds more than the limit
+    denied = limiter.acquire("led", rate, lead=lead, reserve=True)
+    assert denied.reserved and us(denied.at) == log[0][0] + 300_000
+    assert max_in_window(entries(redis_client, key), 300_000) == 3
+    with pytest.raises(InvalidLimit, match="lead"):
+        limiter.acquire("led", rate, lead=-1.0)
+
+
 def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:

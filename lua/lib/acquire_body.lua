@@ -9,6 +9,9 @@
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
 -- start confirmed late would take that room too.
 --
+-- A grant is counted c.lead after now (lib/call.lua's "#lead"): where its body's first
+-- request is expected to reach its server (celery_ratelimit/_green.py, lead).
+--
 -- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
 -- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
 
@@ -42,7 +45,7 @@ local function acquire(c, gates, place)
     end
     if fits then
       if write then
-        for _, k in ipairs(ks) do log_add(k, now, now) end
+        for _, k in ipairs(ks) do log_add(k, now + c.lead, now) end
       end
       return answer(1, now, 0, 0)
     end

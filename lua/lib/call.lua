@@ -22,7 +22,8 @@
 --   six window boundaries (µs) of each aligned limit (see lib/calendar.lua), and
 --   (most, lease µs) of each concurrency limit; when a sliding limit is paced, the
 --   word "#pace" (no escaped fair-key value holds a #) and the burst of each sliding
---   limit (0: not paced, see lib/pace.lua);
+--   limit (0: not paced, see lib/pace.lua); when a grant is to be counted later than
+--   now (acquire.lua), the word "#lead" and that lead, µs;
 --   a call with a fair queue adds its fair-key value and its weight; a settle adds,
 --   last, the weight each rate limit counted the call at.
 --
@@ -76,6 +77,11 @@ local function read_call(keys, argv, pending)
       if burst > 0 then c.logs[i].burst = burst end
     end
     a = a + n + 1
+  end
+  c.lead = 0
+  if argv[a] == '#lead' then
+    c.lead = tonumber(argv[a + 1])
+    a = a + 2
   end
   for i = k, k + n + na + nc - 1 do c.settings[#c.settings + 1] = keys[i] end
   c.rest = a  -- the first ARGV after the call's numbers
