@@ -20,12 +20,11 @@
 -- calls had not reached the upstream when it answered; a counter keeps no instants, so
 -- only what is granted from now on counts). An l not said keeps the one in force.
 
+--- @include "lib/entry.lua"
 --- @include "lib/settings.lua"
 
 -- An observed quota holds this long past its reset when no answer says it again.
 local QUOTA_LIFE = 3600 * 1000000
-local ENTRY_FLOOR = 1e13
-local TOKEN_LEN = 8
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -46,7 +45,7 @@ local function unseen(key, till)
   end
   local total = 0
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, low, high)) do
-    total = total + (#member > TOKEN_LEN and tonumber(string.sub(member, TOKEN_LEN + 2)) or 1)
+    total = total + weight_of(member)
   end
   return total
 end

@@ -6,7 +6,7 @@
 -- Reply: 1 if every slot was still held, 0 if a lease had run out (another call may have
 -- taken the slot).
 
---- @include "lib/call.lua"
+--- @include "lib/entry.lua"
 --- @include "lib/concurrency.lua"
 
 local t = redis.call('TIME')

@@ -39,8 +39,7 @@
 --                then concurrency limits; one more than all of them: a pause), 0 if none
 --   at           server time of the decision, or the instant the call counts at, µs
 
-local ENTRY_FLOOR = 1e13
-local TOKEN_LEN = 8
+--- @include "lib/entry.lua"
 
 local function read_call(keys, argv, pending)
   local t = redis.call('TIME')

@@ -30,11 +30,6 @@ local TTL_MARGIN_MS = 1000
 -- for tens of milliseconds in one call.
 local PRUNE_BATCH = 500
 
-local function weight_of(member)
-  if #member > TOKEN_LEN then return tonumber(string.sub(member, TOKEN_LEN + 2)) end
-  return 1
-end
-
 -- Prune k's expired entries (count them only, when not `write`): a batch at a time
 -- once the log is long.
 local function log_prune(k, now, write)
