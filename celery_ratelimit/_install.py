@@ -21,6 +21,7 @@ Built-in ``celery.*`` tasks are never limited.
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
@@ -125,3 +126,27 @@ def install(app: Any) -> Rules:
         attach_all()
     app.on_after_finalize.connect(attach_all, weak=False)
     return rules
+
+
+def rule_warnings(app: Any) -> list[str]:
+    """What a worker node says at its start of rules in ``app.conf.ratelimit_rules`` that
+    limit nothing: ``install(app)`` never called, or a pattern no task of this node
+    matches (a typo in a task name is otherwise silent: the task just runs unlimited)."""
+    rules = setting("ratelimit_rules", app)
+    if not rules:
+        return []
+    annotations = app.conf.task_annotations
+    if not isinstance(annotations, (list, tuple)):
+        annotations = [annotations]
+    if not any(isinstance(a, _Annotation) for a in annotations):
+        return ["app.conf.ratelimit_rules is set but install(app) was not called: no rule applies"]
+    names = sorted(name for name in app.tasks if not name.startswith("celery."))
+    said = []
+    for pattern in rules:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            near = difflib.get_close_matches(pattern, names, n=1)
+            said.append(
+                f"the rule {pattern!r} of ratelimit_rules matches no task of this worker"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+            )
+    return said

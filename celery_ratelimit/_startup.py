@@ -8,6 +8,10 @@ limiter once at ``worker_ready`` (in a thread: a host that drops packets costs t
 connect timeout) and logs an ERROR that names the setting and the URL (its password
 hidden) if nothing answered there. An outage after the limiter has answered is left to
 the tasks' ``ratelimit_on_redis_error`` policy, as before.
+
+A rule of ``ratelimit_rules`` that limits no task (a typo in a task's name, or
+``install(app)`` never called) would leave that task unlimited without a word: the node
+logs one WARNING for it at the same moment.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from celery import signals
 from ._client import redacted
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable
 from ._failures import never_reached
+from ._install import rule_warnings
 from ._park import limited
 from ._settings import limiter_for, redis_url, redis_url_source, setting
 
@@ -54,9 +59,14 @@ def unreachable_message(app: Any, exc: LimiterUnavailable) -> str:
 
 
 def _check_when_ready(sender: Any = None, **_: Any) -> None:
-    """``worker_ready``: check the limiter, if the node runs rate-limited tasks."""
+    """``worker_ready``: say which rules limit nothing; check the limiter, if the node
+    runs rate-limited tasks."""
     app = getattr(sender, "app", None)
-    if app is None or not limited(app):
+    if app is None:
+        return
+    for warning in rule_warnings(app):
+        logger.warning("ratelimit: %s", warning)
+    if not limited(app):
         return
     threading.Thread(
         target=check_at_start, args=(app,), name="ratelimit-start-check", daemon=True

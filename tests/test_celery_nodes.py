@@ -178,6 +178,21 @@ def test_three_nodes_drain_a_backlog_without_exceeding_the_shared_limit(
     assert figures["deferred_tasks"] > 0  # the limit deferred tasks, not only counted them
 
 
+def test_each_node_says_at_its_start_which_rule_matches_no_task(nodes: Nodes) -> None:
+    # tests.apps.nodes has a rule for "tests.apps.nodes.via_rule", a name no task has
+    deadline = time.monotonic() + 30
+    while len(nodes.grep("matches no task")) < len(nodes.logs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    said = nodes.grep("matches no task")
+    assert len(said) == len(nodes.logs), said  # one line a node
+    assert all(
+        "WARNING" in line
+        and "'tests.apps.nodes.via_rule'" in line
+        and "did you mean 'tests.apps.nodes.via_rules'?" in line
+        for line in said
+    ), said
+
+
 def test_a_paced_backlog_drains_one_call_an_interval_on_three_nodes(nodes: Nodes) -> None:
     """``Limit("20/2s", key="paced", burst=2)`` with 30 tasks sent at once: besides the
     window (20 in any 2 s, checked by check_backlog), never more than the burst in any

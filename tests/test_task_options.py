@@ -28,7 +28,7 @@ from celery_ratelimit import (
     ratelimit,
 )
 from celery_ratelimit._decision import Decision
-from celery_ratelimit._install import Rules
+from celery_ratelimit._install import Rules, rule_warnings
 from celery_ratelimit._keys import logical_key
 from celery_ratelimit._plan import plan_for
 from celery_ratelimit._settings import DEFAULTS, setting
@@ -164,16 +164,28 @@ def test_install_limits_plain_tasks_declared_before_and_after_it(app: Celery) ->
     @app.task(name="proj.own", base=RateLimitedTask, ratelimit="7/s", shared=False)
     def own() -> None: ...
 
+    @ratelimit("6/s", key="decorated")
+    @app.task(name="proj.decorated_early", shared=False)
+    def decorated_early() -> None: ...
+
     app.conf.ratelimit_rules = {"proj.*": "1/s", "proj.exact": Limit("2/s", key="x")}
     install(app)
 
     @app.task(name="proj.exact", shared=False)
     def exact() -> None: ...
 
+    @ratelimit("5/s", key="decorated")
+    @app.task(name="proj.decorated", shared=False)
+    def decorated() -> None: ...
+
     app.finalize()
 
     @app.task(name="proj.late", shared=False)
     def late() -> None: ...
+
+    @ratelimit("4/s", key="decorated")
+    @app.task(name="proj.decorated_late", shared=False)
+    def decorated_late() -> None: ...
 
     @app.task(name="other.free", shared=False)
     def free() -> None: ...
@@ -185,8 +197,29 @@ def test_install_limits_plain_tasks_declared_before_and_after_it(app: Celery) ->
     assert limits(early) == (Limit("1/s"),)
     assert limits(late) == (Limit("1/s"),)
     assert limits(exact) == (Limit("2/s", key="x"),)
-    assert limits(own) == (Limit("7/s"),)  # the task's own limit wins over the rules
+    # the task's own limits, base class option or decorator, win over the rules
+    assert limits(own) == (Limit("7/s"),)
+    assert limits(decorated_early) == (Limit("6/s", key="decorated"),)
+    assert limits(decorated) == (Limit("5/s", key="decorated"),)
+    assert limits(decorated_late) == (Limit("4/s", key="decorated"),)
     assert limits(free) is None
+
+
+def test_rules_that_limit_nothing_are_named_for_the_workers_start(app: Celery) -> None:
+    @app.task(name="proj.plain", shared=False)
+    def plain() -> None: ...
+
+    app.conf.ratelimit_rules = {"proj.plian": "1/s", "proj.p*": "2/s", "other.*": "3/s"}
+    assert rule_warnings(app) == [
+        "app.conf.ratelimit_rules is set but install(app) was not called: no rule applies"
+    ]
+    install(app)
+    app.finalize()
+    assert rule_warnings(app) == [
+        "the rule 'proj.plian' of ratelimit_rules matches no task of this worker"
+        " (did you mean 'proj.plain'?)",
+        "the rule 'other.*' of ratelimit_rules matches no task of this worker",
+    ]
 
 
 def test_builtin_celery_tasks_are_never_limited(app: Celery) -> None:

@@ -50,6 +50,8 @@ app.conf.update(
     task_default_queue=os.environ.get("CRL_QUEUE", "celery"),
     ratelimit_rules={
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
+        # a typo no task's name matches: each node says so when it starts
+        "tests.apps.nodes.via_rule": Limit(RATE, key="shared"),
         "tests.apps.nodes.shared_*": Limit(RATE, key="shared"),
         "tests.apps.nodes.slotted_by_rules": Concurrency(2, key="slots"),
         "tests.apps.nodes.llm_by_rules": Limit(LLM_RATE, key="llm", cost=10),
