@@ -137,8 +137,6 @@ def _attach(task: Any, attributes: dict[str, Any]) -> None:
     cls = type(task)
     for name, value in attributes.items():
         setattr(cls, name, value)
-    # the task's own limits, even where a rule came first: install()'s rules leave them
-    cls._ratelimit_from_rules = False
     wrap_before_start(cls)
 
 

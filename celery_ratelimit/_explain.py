@@ -11,6 +11,7 @@ from typing import Any
 from ._decision import Decision
 from ._exceptions import InvalidLimit
 from ._fair import Place, place_of
+from ._install import from_rules
 from ._keys import logical_key
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
@@ -92,7 +93,7 @@ def explain(
     else:
         result.source = (
             "app.conf.ratelimit_rules (install)"
-            if type(task).__dict__.get("_ratelimit_from_rules")
+            if from_rules(task)
             else "the task's ratelimit option"
         )
     result.error = binding_error(task, task_name, result.args, kwargs)

@@ -74,16 +74,38 @@ class _Annotation:
         return None
 
 
+#: The task class attribute that keeps the limits a rule gave it (see :func:`from_rules`).
+_RULE = "_ratelimit_rule"
+
+
+def from_rules(task: Any) -> bool:
+    """Whether the task's limits are a rule's, not its own declaration (a base class
+    option, or ``@ratelimit``, which may attach after a rule was applied)."""
+    cls = task if isinstance(task, type) else type(task)
+    limits = cls.__dict__.get("ratelimit")
+    return limits is not None and limits is cls.__dict__.get(_RULE)
+
+
 def _apply(task: Any, rules: Rules) -> None:
     cls: Any = task if isinstance(task, type) else type(task)
-    if cls.__dict__.get("ratelimit") is not None and not cls.__dict__.get("_ratelimit_from_rules"):
+    if cls.__dict__.get("ratelimit") is not None and not from_rules(cls):
         return  # the task declared its own limits
     limits = rules.match(getattr(cls, "name", None) or "")
     if limits is None:
         return
     cls.ratelimit = limits
-    cls._ratelimit_from_rules = True
+    setattr(cls, _RULE, limits)
     wrap_before_start(cls)
+
+
+def _annotations(app: Any) -> list[Any]:
+    """``app.conf.task_annotations`` as a list (Celery takes None, one, or a sequence)."""
+    existing = app.conf.task_annotations
+    if existing is None:
+        return []
+    if isinstance(existing, (list, tuple)):
+        return list(existing)
+    return [existing]
 
 
 def install(app: Any) -> Rules:
@@ -105,14 +127,7 @@ def install(app: Any) -> Rules:
     check_app_settings(app)
     rules = Rules(setting("ratelimit_rules", app))
     annotation = _Annotation(rules)
-    existing = app.conf.task_annotations
-    if existing is None:
-        annotations: list[Any] = []
-    elif isinstance(existing, (list, tuple)):
-        annotations = list(existing)
-    else:
-        annotations = [existing]
-    annotations = [a for a in annotations if not isinstance(a, _Annotation)]
+    annotations = [a for a in _annotations(app) if not isinstance(a, _Annotation)]
     app.conf.task_annotations = [annotation, *annotations]
     # Celery prepares the annotations once (a cached property): prepare them again
     with contextlib.suppress(AttributeError):
@@ -135,10 +150,7 @@ def rule_warnings(app: Any) -> list[str]:
     rules = setting("ratelimit_rules", app)
     if not rules:
         return []
-    annotations = app.conf.task_annotations
-    if not isinstance(annotations, (list, tuple)):
-        annotations = [annotations]
-    if not any(isinstance(a, _Annotation) for a in annotations):
+    if not any(isinstance(a, _Annotation) for a in _annotations(app)):
         return ["app.conf.ratelimit_rules is set but install(app) was not called: no rule applies"]
     names = sorted(name for name in app.tasks if not name.startswith("celery."))
     said = []
