@@ -8,8 +8,8 @@
   three times one's rate; the figure says what the cluster costs a decision here, not
   what it gives on hosts of their own.
 - Spread: which primary holds each of 300 tenants' keys under the hash tag (a key's
-  first segment and its template's values, ``api:<tenant>``), beside the first segment
-  alone (``api``, the tag before 0.3), by the cluster's own slot map.
+  first and last segments, ``api:<tenant>``), beside the first segment alone (``api``,
+  one tag for every tenant), by the cluster's own slot map.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def spread(nodes: list[RedisServer]) -> dict[str, list[int]]:
     limiter = Limiter.from_url(nodes[0].url, prefix=PREFIX)  # names only: no call sent
     tagged = Counter(owners[key_slot(k.encode())] for [k] in tenant_keys(limiter))
     first = Counter(
-        owners[key_slot(f"{PREFIX}:{{api}}:t{n}:log:1000000".encode())] for n in range(TENANTS)
+        owners[key_slot(f"{PREFIX}:{{api}}:api:t{n}:log:1000000".encode())] for n in range(TENANTS)
     )
     return {
         "tagged": [tagged[port] for port in ports],
@@ -131,7 +131,7 @@ def table(results: dict[str, Any]) -> list[str]:
             " / ".join(map(str, spread_["tagged"])),
         ),
         (
-            "same, tag `api` (the first segment alone, before 0.3)",
+            "same, tag `api` (the first segment alone)",
             " / ".join(map(str, spread_["first_segment"])),
         ),
     ]

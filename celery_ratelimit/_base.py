@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ._decision import TOKEN_BYTES, Decision, parse_token, token_of
 from ._exceptions import InvalidLimit
 from ._headers import Budget, Observation
-from ._keys import escape_key
+from ._keys import escape_key, fixed_key
 from ._layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
 from ._limit import Concurrency, Limit, LimitSpec, check_weight, describe, to_limits
 from ._rate import Rate
@@ -83,7 +83,12 @@ class LimiterBase:
     script calls and what their replies mean."""
 
     def __init__(self, client: Any, *, prefix: str = DEFAULT_PREFIX) -> None:
-        if not isinstance(prefix, str) or not prefix or escape_key(prefix) != prefix:
+        if (
+            not isinstance(prefix, str)
+            or not prefix
+            or escape_key(prefix) != prefix
+            or "{" in prefix
+        ):
             raise InvalidLimit(f"key prefix must be a plain non-empty string, got {prefix!r}")
         self.client = client
         self.prefix = prefix
@@ -117,10 +122,12 @@ class LimiterBase:
                         f"Limit key {own!r} is a template; outside a task pass the "
                         "rendered key to acquire() instead"
                     )
-                chosen = own or key
-                if not isinstance(chosen, str) or not chosen:
+                if own:
+                    escaped.append(fixed_key(own))
+                    continue
+                if not isinstance(key, str) or not key:
                     raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
-                escaped.append(escape_key(chosen))
+                escaped.append(escape_key(key))
         keys = [
             redis_key(self.prefix, k, limit) for k, limit in zip(escaped, normalized, strict=True)
         ]
@@ -390,9 +397,10 @@ class LimiterBase:
         """
         if self._cluster and len({k.partition("}")[0] for k in keys}) > 1:
             raise InvalidLimit(
-                "limits checked together must share their hash tag on Redis Cluster (a "
-                "key's first segment, then the values its template fills in after it: "
-                f"'yt:quota:{{k}}' and 'yt:search:{{k}}' share one), got keys {keys}"
+                "limits checked together must share their hash tag on Redis Cluster: a "
+                "key's first and last segments ('yt:quota:{k}' and 'yt:search:{k}' share "
+                "'yt:<k>'), or a tag of the keys' own in braces ('{yt}:quota' and "
+                f"'{{yt}}:search'; '{{{{yt}}}}:quota' in a template), got keys {keys}"
             )
         return script_keys(keys, limits)
 

@@ -97,13 +97,21 @@ def unset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> 
 @click.argument("task")
 @click.argument("args", nargs=-1)
 @click.option("--kwargs", default="{}", help="keyword arguments as a JSON object")
+@_where
 @click.pass_context
-def explain(ctx: click.Context, task: str, args: tuple[str, ...], kwargs: str) -> None:
+def explain(
+    ctx: click.Context,
+    task: str,
+    args: tuple[str, ...],
+    kwargs: str,
+    url: str | None,
+    prefix: str | None,
+) -> None:
     """Which limits apply to TASK(ARGS...), their Redis keys, and a decision (peek)."""
     from ._cli import CallWouldFail, run_explain
 
     try:
-        _echo(run_explain(_app(ctx), task, args, kwargs))
+        _echo(run_explain(_app(ctx), task, args, kwargs, url, prefix))
     except CallWouldFail as exc:
         _echo(exc.lines)
         ctx.exit(1)

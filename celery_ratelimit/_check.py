@@ -28,7 +28,6 @@ from ._clock import observe, redis_eta
 from ._decision import Decision
 from ._exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
 from ._green import give_way, lead
-from ._keys import logical_key
 from ._limit import Concurrency, Limit
 from ._limiter import Limiter
 from ._metrics import metrics_for, send_deferral_event
@@ -337,7 +336,7 @@ class Check:
                 signature.apply_async()
             except Exception as exc:
                 return self.publish_failed(exc, countdown, token)
-        keys = ",".join(logical_key(k) for k in self.keys)
+        keys = ",".join(self.keys)
         logger.info(
             "ratelimit: deferred %s[%s] key %s for %.3fs (deferral %d%s%s; %s)",
             task.name,

@@ -3,7 +3,8 @@
 Also ``python -m celery_ratelimit ...``, and as a Celery subcommand
 (``celery -A proj ratelimit status``, see ``_celery_command.py``). ``status``,
 ``reset``, ``set`` and ``unset`` take the app (``-A proj``, for its Redis URL, key
-prefix and declared limits) or ``--url``/``--prefix``; ``explain`` needs the app.
+prefix and declared limits) or ``--url``/``--prefix``; ``explain`` needs the app (its
+tasks' limits) and takes ``--url``/``--prefix`` too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 from ._base import DEFAULT_PREFIX
 from ._exceptions import InvalidLimit, LimiterMisconfigured, LimiterUnavailable, RateLimitError
 from ._keys import escape_key
-from ._layout import keys_of, tagged_keys
 from ._limiter import REDIS_ERRORS, Limiter
 from ._rate import Rate
 
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser(
         "explain", help="which limits apply to a call, their Redis keys, a decision (peek)"
     )
-    explain.add_argument("-A", "--app", required=True, help="the Celery app")
+    explain.add_argument("-A", "--app", required=True, help="the Celery app (its tasks' limits)")
+    explain.add_argument("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
+    explain.add_argument("--prefix", help="key prefix (default: the app's)")
     explain.add_argument("task", help="task name")
     explain.add_argument("args", nargs="*", help="positional arguments (JSON, else text)")
     explain.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
@@ -154,7 +156,7 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
             guard = _ops.guard_for_app(app) if app is not None else 0.0
             rows = _ops.status(limiter, known, guard=guard, match=match)
             settings = _ops.key_settings(limiter, match)
-        lines = _ops.format_status(rows, limiter.prefix, _safe_url(limiter))
+        lines = _ops.format_status(rows, limiter.prefix, _safe_url(limiter), app=app is not None)
         return lines + _ops.format_settings(settings)
     finally:
         limiter.client.close()
@@ -180,13 +182,7 @@ def run_set(
     limiter = limiter_from(app, url, prefix)
     try:
         with url_named(app, url):
-            # a key a template rendered carries its values in its hash tag (``_keys``):
-            # its calls read the override there; found by the key's data, else as written
-            try:
-                found = keys_of(limiter.client, limiter.prefix, key)
-            except REDIS_ERRORS as exc:
-                raise limiter.translate(exc, "a key lookup") from exc
-            escaped = tagged_keys(found) or [escape_key(key)]
+            escaped = [escape_key(key)]
             # read just before it goes, to say whether there was one
             before = override_of(limiter, escaped) if rate is None else None
             limiter.override_keys(escaped, rate, ttl=ttl)
@@ -217,7 +213,14 @@ def override_of(limiter: Limiter, escaped: Sequence[str]) -> Rate | None:
     return None
 
 
-def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[str]:
+def run_explain(
+    app: Any,
+    task: str,
+    args: Sequence[str],
+    kwargs: str,
+    url: str | None = None,
+    prefix: str | None = None,
+) -> list[str]:
     from . import _explain
     from ._settings import setting
 
@@ -228,7 +231,10 @@ def run_explain(app: Any, task: str, args: Sequence[str], kwargs: str) -> list[s
     if not isinstance(parsed, dict):
         raise SystemExit(f"--kwargs must be a JSON object, got {kwargs!r}")
     try:
-        explanation = _explain.explain(app, task, [_explain.parse_value(a) for a in args], parsed)
+        values = [_explain.parse_value(a) for a in args]
+        limiter = limiter_from(app, url, prefix)
+        with url_named(app, url):
+            explanation = _explain.explain(app, task, values, parsed, limiter)
     except KeyError as exc:
         raise SystemExit(exc.args[0]) from None
     lines = _explain.format_explanation(
@@ -278,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ttl = args.ttl if args.command == "set" else None
             lines = run_set(app, args.url, args.prefix, args.key, rate, ttl)
         elif args.command == "explain":
-            lines = run_explain(app, args.task, args.args, args.kwargs)
+            lines = run_explain(app, args.task, args.args, args.kwargs, args.url, args.prefix)
         else:
             raise AssertionError(args.command)
     except CallWouldFail as exc:

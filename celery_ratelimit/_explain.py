@@ -4,6 +4,7 @@ decision, resolved as a worker would (nothing is counted)."""
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,10 +13,9 @@ from ._decision import Decision
 from ._exceptions import InvalidLimit
 from ._fair import Place, place_of
 from ._install import from_rules
-from ._keys import logical_key
 from ._layout import KeyName, parse_key
 from ._limit import AnyLimit, Concurrency
-from ._limiter import REDIS_ERRORS
+from ._limiter import REDIS_ERRORS, Limiter
 from ._ops import (
     KeySettings,
     KeyStatus,
@@ -26,6 +26,7 @@ from ._ops import (
     key_settings,
     key_status,
     limiter_for_app,
+    override_in_force,
     pace_in,
     server_now_us,
     task_limits,
@@ -67,9 +68,14 @@ def parse_value(text: str) -> Any:
 
 
 def explain(
-    app: Any, task_name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    app: Any,
+    task_name: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    limiter: Limiter | None = None,
 ) -> Explanation:
-    """Resolve the limits of ``task_name(*args, **kwargs)`` as a worker would; peek.
+    """Resolve the limits of ``task_name(*args, **kwargs)`` as a worker would; peek
+    (on ``limiter``, default: the app's; it is closed at the end).
 
     Raises:
         KeyError: no such task (the message lists the rate-limited ones).
@@ -105,25 +111,30 @@ def explain(
     except (InvalidLimit, TypeError) as exc:
         result.error = f"a worker would fail this call: {exc}"
         return result
-    limiter = limiter_for_app(app)
+    limiter = limiter or limiter_for_app(app)
     redis_keys = limiter.keys_for(keys, limits)
     try:
         now = server_now_us(limiter.client)
+        result.settings = key_settings(limiter)
+        overrides = {row.key: row.override for row in result.settings if row.override}
+        rated = Counter(
+            k for k, limit in zip(keys, limits, strict=True) if not isinstance(limit, Concurrency)
+        )
         for limit, key, redis_key, cost in zip(limits, keys, redis_keys, costs, strict=True):
             window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
             name = parse_key(limiter.prefix, redis_key) or KeyName(
                 redis_key, key, limit.kind, window
             )
-            state = key_status(limiter.client, name, now)
+            override = override_in_force(overrides.get(key), name, rated[key] == 1)
+            state = key_status(limiter.client, name, now, override)
             state.limit = limit
             one = limiter.peek((), (limit,), cost, guard=guard_for_app(app), redis_keys=[redis_key])
             state.remaining, state.next_free = one.remaining, one.retry_after
-            state.pace_in = pace_in(limiter.client, name, limit, now, None)
-            result.limits.append(LimitExplanation(limit, logical_key(key), redis_key, cost, state))
+            state.pace_in = pace_in(limiter.client, name, limit, now, override)
+            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
         result.decision = limiter.peek(
             (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
         )
-        result.settings = key_settings(limiter)
         fair = plan.fair(tuple(args), kwargs)
         if fair is not None:
             result.place = place_of(limiter.client, redis_keys[0], *fair, costs[0], now)
@@ -180,10 +191,15 @@ def format_explanation(
             f"cost {item.cost})",
             f"     key        {item.key}",
             f"     redis key  {item.redis_key}",
-            f"     now        used {s.used}/{item.limit.fixed_rate.limit}"
+            f"     now        used {s.used}/{(s.override or item.limit.fixed_rate).limit}"
             f" ({s.reservations} reserved slot(s)), remaining {s.remaining};"
             f" this cost fits {in_seconds(s.next_free or 0.0)}",
         ]
+        if s.override is not None:
+            lines.append(
+                f"     overridden {s.override} (declared {item.limit.fixed_rate}): "
+                "what every decision on the key counts against until unset"
+            )
         if s.pace_in is not None:
             rate = item.limit.fixed_rate
             lines.append(

@@ -1,25 +1,26 @@
-"""Redis key names: one prefix, one Cluster hash tag per key, escaped user input.
+"""Key names: escaped user input, and each key's Redis Cluster hash tag.
 
-A limit key such as ``"yt:quota"`` becomes ``ratelimit:{yt}:quota:log:86400000000``
-(see ``_layout``): prefix, the Redis Cluster hash tag, the rest of the key, the
-algorithm and the window.
+A key is a string, ``api:t1`` or ``yt:quota:K1``, however it is reached: rendered from a
+task's template (``api:{tenant}``), returned by a key function, or given as a string to
+``Limiter``, the CLI or ``UpstreamRateLimited``. Its Redis names depend on that string
+alone (and the limit): ``_layout.redis_key`` builds every one of them, as
+``{prefix}:{tag}:key:{algorithm}:{window_us}``.
 
-The hash tag is the key's first segment, followed by the values its template filled in
-after that segment: ``api:{tenant}`` is tagged ``api:<tenant>``, ``yt:quota:{api_key}``
-and ``yt:search:{api_key}`` are both tagged ``yt:<api_key>``, ``{tenant}:erp`` is
-tagged ``<tenant>``; a key without such values (``yt:quota``, ``yt:search``, a task's
-name, a key function's string) is tagged by its first segment (``yt``). So each tenant
-lands in a slot of its own, limits of one call that share their literal head and their
-values share a slot, and a key's tag never depends on which other keys it is checked
-with: one budget has one Redis key in every call. A rendered key whose tag is more than
-its first segment carries it, ``{api:t1}:t1``; :func:`logical_key` gives it back as
-written, ``api:t1``.
+The tag is, by :func:`hash_tag`, the part of the key in braces when the key names a tag
+of its own (``{yt}:quota``, Redis's own convention; ``{{yt}}:quota`` in a template), else
+the key's first and last segments: ``api:t1`` is tagged ``api:t1``, ``yt:quota:K1`` and
+``yt:search:K1`` are both tagged ``yt:K1``, ``K1:erp`` is tagged ``K1:erp``. So tenants
+spread over a Cluster's shards, and the budgets of one holder (its last segment) under
+one service (its first) share a slot, as the limits checked together in one call must.
 
 Values taken from task arguments are escaped before they enter a template: every
 byte outside ``[A-Za-z0-9_.@-]`` becomes ``%XX``, so a value can contain neither a
 ``:`` (to reach another key) nor a brace (to move the hash tag). A value whose
 escaped form is longer than ``MAX_PART`` is replaced by ``#`` and 32 hex digits of
-its SHA-256, which no escaped value can equal since ``#`` is itself escaped.
+its SHA-256, which no escaped value can equal since ``#`` is itself escaped. Literal
+text keeps its braces only where they name the key's tag (the first ``{`` and the
+first ``}`` after it, with something between), and keeps an escape or a digest as it
+is: escaping a key twice gives the key, so the string ``status`` shows is the key.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from ._exceptions import InvalidLimit
 
 MAX_PART = 64
 MAX_KEY = 200
-#: A tag longer than this (many or long values) becomes its first segment and a digest.
-MAX_TAG = 2 * MAX_PART
 _UNSAFE_PART = re.compile(rb"[^A-Za-z0-9_.@-]")
-_UNSAFE_KEY = re.compile(rb"[^\x21-\x7e]|[{}%#]")
+#: In literal text: what is not printable ASCII, and a ``%`` or ``#`` that does not
+#: already begin an escape (``%XX``) or a digest (``#`` and 32 hex digits), so that a key
+#: shown escaped (by ``status``) and given back is the same key.
+_UNSAFE_KEY = re.compile(rb"[^\x21-\x7e]|%(?![0-9A-F]{2})|#(?![0-9a-f]{32})")
+_BRACE = re.compile(r"[{}]")
 
 
 def _percent(match: re.Match[bytes]) -> bytes:
@@ -52,25 +55,51 @@ def escape_part(value: object) -> str:
     return escaped.decode("ascii")
 
 
+def escape_literal(text: str) -> str:
+    """Literal key text escaped, its braces kept (see :func:`_own_tag`)."""
+    return _UNSAFE_KEY.sub(_percent, text.encode("utf-8", "surrogatepass")).decode("ascii")
+
+
+def _tag_span(key: str) -> tuple[int, int] | None:
+    """Where the key's own tag is, Redis's rule: the first ``{`` and the first ``}``
+    after it, with something between (the braces' indexes); None if it has none."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return (start, end) if end > start + 1 else None
+
+
+def _own_tag(key: str) -> str:
+    """``key`` with every brace escaped but the pair that names its tag."""
+    span = _tag_span(key)
+    if span is None:
+        return _BRACE.sub(lambda m: "%7B" if m.group() == "{" else "%7D", key)
+    start, end = span
+    return (
+        _own_tag(key[:start])
+        + "{"
+        + _own_tag(key[start + 1 : end])
+        + "}"
+        + (_BRACE.sub(lambda m: "%7B" if m.group() == "{" else "%7D", key[end + 1 :]))
+    )
+
+
 def _bounded(key: str) -> str:
     if len(key) <= MAX_KEY:
         return key
     head = key.split(":", 1)[0][:MAX_PART]
-    return f"{head}:#{hashlib.sha256(key.encode()).hexdigest()[:32]}"
-
-
-def _escape_literal(text: str) -> str:
-    return _UNSAFE_KEY.sub(_percent, text.encode("utf-8", "surrogatepass")).decode("ascii")
+    return f"{_BRACE.sub('_', head)}:#{hashlib.sha256(key.encode()).hexdigest()[:32]}"
 
 
 def escape_key(key: str) -> str:
-    """Escape a key given by code (not by a task argument): keeps ``:`` as structure,
-    escapes braces, ``%``, ``#``, spaces and control characters; bounds its length."""
-    return _bounded(_escape_literal(key))
+    """Escape a key given by code (not by a task argument): keeps ``:`` as structure and
+    a ``{tag}`` of its own, escapes other braces, ``%``, ``#``, spaces and control
+    characters; bounds its length."""
+    return _bounded(_own_tag(escape_literal(key)))
 
 
 def render(template: str, arguments: Mapping[str, object], args: tuple[object, ...]) -> str:
-    """Format a key template from a call's bound arguments, escaping each value.
+    """Format a key template from a call's bound arguments, escaping each value: the
+    same key :func:`escape_key` gives for the rendered string.
 
     ``arguments`` maps parameter names to values; ``args`` are the positional
     arguments, for ``{0}``-style fields.
@@ -79,9 +108,8 @@ def render(template: str, arguments: Mapping[str, object], args: tuple[object, .
         InvalidLimit: the template names an argument this call does not have.
     """
     pieces: list[str] = []
-    values: list[str] = []  # those after the first segment: the rest of the hash tag
     for literal, name, _spec, _conv in string.Formatter().parse(template):
-        pieces.append(_escape_literal(literal))
+        pieces.append(escape_literal(literal))
         if name is None:
             continue
         if name.isdigit():
@@ -98,37 +126,24 @@ def render(template: str, arguments: Mapping[str, object], args: tuple[object, .
                 f"key template {template!r} names argument {name!r}, which this call "
                 f"does not have (arguments: {', '.join(arguments) or 'none'})"
             )
-        escaped = escape_part(value)
-        if any(":" in piece for piece in pieces):
-            values.append(escaped)
-        pieces.append(escaped)
-    return tagged(_bounded("".join(pieces)), values)
+        pieces.append(escape_part(value))
+    return _bounded(_own_tag("".join(pieces)))
 
 
-def tagged(key: str, values: list[str]) -> str:
-    """``key`` (escaped) with its hash tag marked, ``{first:value...}:rest``, when the
-    tag holds ``values`` (escaped, so neither a ``:`` nor a brace) besides the first
-    segment; else ``key`` itself."""
-    if not values:
-        return key
-    first, colon, rest = key.partition(":")
-    tag = ":".join([first, *values])
-    if len(tag) > MAX_TAG:
-        tag = f"{first}:#{hashlib.sha256(tag.encode()).hexdigest()[:32]}"
-    return f"{{{tag}}}{colon}{rest}"
+def fixed_key(template: str) -> str:
+    """The key of a template without fields, ``Limit(key="{{yt}}:quota")``, as a task
+    renders it (``{yt}:quota``): a ``Limit``'s key is a template, a string given to
+    ``Limiter`` or the CLI is the key itself."""
+    return render(template, {}, ())
 
 
-def split_tag(key: str) -> tuple[str, str]:
-    """``(hash tag, the rest after the first segment)`` of an escaped key."""
-    if key.startswith("{"):
-        tag, _, rest = key[1:].partition("}")
-        return tag, rest
-    first, colon, rest = key.partition(":")
-    return first, colon + rest
-
-
-def logical_key(key: str) -> str:
-    """An escaped key as written, its marked hash tag left out (``{api:t1}:t1`` ->
-    ``api:t1``): what ``status`` shows and ``reset KEY`` takes."""
-    tag, rest = split_tag(key)
-    return tag.partition(":")[0] + rest
+def hash_tag(key: str) -> str:
+    """The Redis Cluster hash tag of an escaped key: its own ``{tag}`` if it names one,
+    else its first and last segments (``yt:quota:K1`` -> ``yt:K1``; a key of one or two
+    segments is its own tag)."""
+    span = _tag_span(key)
+    if span is not None:
+        return key[span[0] + 1 : span[1]]
+    first, _, rest = key.partition(":")
+    last = rest.rpartition(":")[2]
+    return f"{first}:{last}" if last else first

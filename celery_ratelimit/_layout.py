@@ -6,17 +6,17 @@ are built here for ``Limiter``; ``status``, ``explain``, ``reset``, the park and
 tests read Redis through here.
 
 Keys
-    ``{prefix}:{tag}:rest:{algorithm}:{window_us}``: a limit of ``window_us`` on the
-    logical key ``first:rest`` (escaped). ``tag``, in braces, is the Redis Cluster hash
-    tag: the key's first segment, then the values its template filled in after it
-    (``ratelimit:{api:t1}:t1:log:1000000`` for ``api:{tenant}``; see ``_keys``), so a
-    key's slot depends on the key alone, and the limits of one call must share it.
-    The log's pending set (reservations whose task has not started) is that name +
-    :data:`PENDING`. A
-    concurrency limit on ``tag:rest`` is ``{prefix}:{tag}:rest:conc:0`` (its holders),
-    with its starts and waiters at that name + :data:`STARTS` and + :data:`PENDING`.
-    The settings of ``tag:rest`` (a pause, a rate override) are the hash
-    ``{prefix}:{tag}:rest:settings``.
+    ``{prefix}:{tag}:key:{algorithm}:{window_us}``: a limit of ``window_us`` on the
+    (escaped) ``key``. ``tag``, in braces, is the key's Redis Cluster hash tag, a
+    function of the key alone (``_keys.hash_tag``); a key that is its own tag is not
+    written twice: ``ratelimit:{api:t1}:log:1000000`` for ``api:t1``,
+    ``ratelimit:{yt:K1}:yt:quota:K1:log:1000000`` for ``yt:quota:K1``, however the key
+    was reached. :func:`key_base` is the one place a key's names are built. The log's
+    pending set (reservations whose task has not started) is that name +
+    :data:`PENDING`. A concurrency limit on ``key`` is ``{prefix}:{tag}:key:conc:0``
+    (its holders), with its starts and waiters at that name + :data:`STARTS` and +
+    :data:`PENDING`. The settings of ``key`` (a pause, a rate override) are the hash
+    ``{prefix}:{tag}:key:settings``.
     The park of a broker: ``{prefix}:{park:<digest>}:`` + ``due`` / ``copies`` /
     ``counts``.
 
@@ -29,7 +29,7 @@ The log (``algorithm="log"``), a sorted set
     (``burst=``) adds :data:`PACE_MEMBER`, minus its pace's theoretical arrival time.
 
 A calendar-aligned limit (``align=``, ``lua/calendar.lua``), a sorted set
-    ``{prefix}:{tag}:rest:cal:{window_us}``: entries as the log's (score = the instant
+    ``{prefix}:{tag}:key:cal:{window_us}``: entries as the log's (score = the instant
     the call counts at); meta member ``"#" + start`` per window holding any, score =
     the weight counted in the window starting at ``start`` (µs); ``"~"`` minus the
     instant the key's expiry was set to.
@@ -55,7 +55,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ._keys import escape_key, split_tag
+from ._keys import escape_key, hash_tag
 from ._limit import Concurrency, Limit
 
 #: Scores below this are the log's meta members, not entries (entries are instants).
@@ -103,16 +103,19 @@ ALGORITHMS = ("log", "counter", "conc", "cal")
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
 
-def _base(prefix: str, key: str) -> str:
-    tag, rest = split_tag(key)
-    return f"{prefix}:{{{tag}}}{rest}"
+def key_base(prefix: str, key: str) -> str:
+    """The head of every Redis name of the (already escaped) ``key``: the prefix, the
+    key's hash tag in braces, then the key unless it is its own tag. Every path builds a
+    key's names through here."""
+    tag = hash_tag(key)
+    return f"{prefix}:{{{tag}}}" if tag == key else f"{prefix}:{{{tag}}}:{key}"
 
 
 def redis_key(prefix: str, key: str, limit: Limit | Concurrency) -> str:
     """The Redis key of ``limit`` applied to the (already escaped) ``key``."""
     if isinstance(limit, Concurrency):
-        return f"{_base(prefix, key)}:conc:0"
-    return f"{_base(prefix, key)}:{limit.kind}:{limit.fixed_rate.window_us}"
+        return f"{key_base(prefix, key)}:conc:0"
+    return f"{key_base(prefix, key)}:{limit.kind}:{limit.fixed_rate.window_us}"
 
 
 def script_keys(keys: list[str], limits: tuple[Any, ...]) -> list[str]:
@@ -170,7 +173,7 @@ def effective(value: bytes | str, window_us: int, now: int) -> int:
 
 def settings_key(prefix: str, key: str) -> str:
     """The settings hash (a pause, a rate override) of the (already escaped) ``key``."""
-    return f"{_base(prefix, key)}:settings"
+    return f"{key_base(prefix, key)}:settings"
 
 
 def companions(redis_key: str) -> list[str]:
@@ -210,44 +213,46 @@ class KeyName:
     window_us: int
 
 
-def parse_key(prefix: str, name: str) -> KeyName | None:
-    """Split ``{prefix}:{tag}:rest:{algorithm}:{window_us}``; None if it is not one."""
+def _split(prefix: str, name: str, parts: int) -> tuple[str, list[str]] | None:
+    """``(key, the `parts` segments after it)`` of a Redis name built by :func:`key_base`
+    (``{prefix}:{tag}[:key]:a:b``); None if the name is not one of ours."""
     head = f"{prefix}:{{"
     if not name.startswith(head):
         return None
     tag, brace, tail = name[len(head) :].partition("}")
-    if not brace:
+    if not brace or not tail.startswith(":"):
         return None
-    rest, _, window = tail.rpartition(":")
-    rest, _, algorithm = rest.rpartition(":")
+    pieces = tail[1:].rsplit(":", parts)
+    if len(pieces) == parts:
+        key = tag  # the key is its own tag
+    elif pieces[0] and pieces[0] != tag:
+        key = pieces.pop(0)
+    else:
+        return None
+    return (key, pieces) if hash_tag(key) == tag else None
+
+
+def parse_key(prefix: str, name: str) -> KeyName | None:
+    """Split ``{prefix}:{tag}[:key]:{algorithm}:{window_us}``; None if it is not one."""
+    found = _split(prefix, name, 2)
+    if found is None:
+        return None
+    key, (algorithm, window) = found
     if algorithm not in ALGORITHMS or not window.isdigit():
         return None
-    return KeyName(name, tag.partition(":")[0] + rest, algorithm, int(window))
+    return KeyName(name, key, algorithm, int(window))
 
 
-def settings_logical_key(prefix: str, name: str) -> str:
-    """The logical key of the settings hash ``name`` (``{prefix}:{tag}rest:settings``)."""
-    tag, _, rest = name[len(prefix) + 2 : -len(":settings")].partition("}")
-    return tag.partition(":")[0] + rest
-
-
-def tagged_keys(names: Iterable[str]) -> list[str]:
-    """The escaped keys, hash tag marked, of Redis keys ``names`` (as the calls that
-    wrote them gave them): where a runtime override of their logical key must go."""
-    found = set()
-    for name in names:
-        tag, _, rest = name.partition("{")[2].partition("}")
-        rest = rest.rsplit(":", 2)[0]
-        first = tag.partition(":")[0]
-        found.add(f"{{{tag}}}{rest}" if tag != first else first + rest)
-    return sorted(found)
+def settings_logical_key(prefix: str, name: str) -> str | None:
+    """The key of the settings hash ``name`` (``{prefix}:{tag}[:key]:settings``); None
+    if it is not one of ours."""
+    found = _split(prefix, name, 1)
+    return found[0] if found is not None and found[1] == ["settings"] else None
 
 
 def key_glob(prefix: str, key: str) -> str:
-    """A SCAN pattern for every window and algorithm of the logical ``key``."""
-    first, rest = split_tag(escape_key(key))
-    # the tag is the first segment, or it and a template's values: ``{first*}``
-    return f"{_glob(prefix)}:{{{_glob(first)}*}}{_glob(rest)}:*"
+    """A SCAN pattern for every window and algorithm of ``key`` (as a user gives it)."""
+    return f"{_glob(key_base(prefix, escape_key(key)))}:*"
 
 
 def prefix_glob(prefix: str) -> str:
@@ -260,7 +265,7 @@ def _glob(text: str) -> str:
 
 
 def keys_of(client: Any, prefix: str, key: str) -> list[str]:
-    """Every Redis key of the logical ``key`` (all windows and algorithms), sorted."""
+    """Every Redis key of ``key`` (all windows and algorithms), sorted."""
     return keys_among(client.scan_iter(key_glob(prefix, key)), prefix, key)
 
 

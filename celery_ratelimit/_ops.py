@@ -14,13 +14,15 @@ weight used in its window.
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
 from ._fair import waiting_by_value
-from ._keys import escape_key
+from ._keys import escape_key, escape_literal, fixed_key
 from ._layout import (
     COUNTER_FIELDS,
     EFF_FIELD,
@@ -80,9 +82,13 @@ def _key_pattern(limit: AnyLimit, task_name: str | None) -> re.Pattern[str] | No
     if not isinstance(key, str):
         return None  # a key function: which keys it makes cannot be known
     if not limit.fields:
-        return re.compile(re.escape(escape_key(key)))
-    pieces = re.split(r"\{[^{}]*\}", key)
-    return re.compile(_VALUE.join(re.escape(escape_key(p)) if p else "" for p in pieces))
+        return re.compile(re.escape(fixed_key(key)))
+    return re.compile(
+        "".join(
+            re.escape(escape_literal(literal)) + (_VALUE if name is not None else "")
+            for literal, name, *_ in string.Formatter().parse(key)
+        )
+    )
 
 
 def app_tasks(app: Any) -> dict[str, Any]:
@@ -217,15 +223,33 @@ def calendar_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     return status
 
 
-def key_status(client: Any, name: KeyName, now: int) -> KeyStatus:
-    """The state of one limit's key, whatever its algorithm."""
+def override_in_force(override: Rate | None, name: KeyName, alone: bool) -> Rate | None:
+    """``override`` when the decisions on the limit ``name`` apply it, as the scripts
+    do (``lua/lib/call.lua``): to a rate limit of its window, or of any window when the
+    limit is the only rate limit of its key and not calendar-aligned."""
+    if override is None or name.algorithm == "conc":
+        return None
+    if override.window_us == name.window_us or (alone and name.algorithm != "cal"):
+        return override
+    return None
+
+
+def key_status(client: Any, name: KeyName, now: int, override: Rate | None = None) -> KeyStatus:
+    """The state of one limit's key, whatever its algorithm; counted over the window of
+    ``override`` (one in force: see :func:`override_in_force`) when given."""
+    if override is not None and override.window_us != name.window_us:
+        row = key_status(client, replace(name, window_us=override.window_us), now)
+        row.name, row.override = name, override
+        return row
     read = {
         "log": log_status,
         "counter": counter_status,
         "conc": concurrency_status,
         "cal": calendar_status,
     }
-    return read[name.algorithm](client, name, now)
+    row = read[name.algorithm](client, name, now)
+    row.override = override
+    return row
 
 
 @dataclass(frozen=True)
@@ -265,6 +289,9 @@ def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings
         now = server_now_us(client)
         for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
             name = _text(raw)
+            key = settings_logical_key(limiter.prefix, name)
+            if key is None or (match is not None and not fnmatchcase(key, match)):
+                continue  # not one of ours, or not asked for
             fields = {_text(f): v for f, v in client.hgetall(name).items()}
             paused_for = max(float(fields.get(PAUSE_FIELD) or 0) - now, 0) / 1_000_000
             override = parse_override(fields.get(RATE_FIELD), now)
@@ -280,9 +307,6 @@ def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings
                 for algorithm, _, window in [field[len(EFF_FIELD) :].partition(":")]
             )
             if not paused_for and override is None and not seen and not rates:
-                continue
-            key = settings_logical_key(limiter.prefix, name)
-            if match is not None and not fnmatchcase(key, match):
                 continue
             row = KeySettings(key, paused_for, seen=seen, effective=rates)
             if override is not None:
@@ -349,8 +373,10 @@ def status(
             ),
             key=lambda n: (n.key, n.window_us, n.algorithm),
         )
+        rated = Counter(n.key for n in names if n.algorithm != "conc")
         for name in names:
-            row = key_status(client, name, now)
+            override = override_in_force(overrides.get(name.key), name, rated[name.key] == 1)
+            row = key_status(client, name, now, override)
             if row.used == 0 and row.reserved == 0:
                 continue  # everything in it has left the window: the key is idle
             ttl = client.pttl(name.redis_key)
@@ -358,9 +384,6 @@ def status(
             matching = [k for k in known if k.matches(name)]
             if matching:
                 row.limit = matching[0].limit
-                override = overrides.get(name.key)
-                if override is not None and override.window_us == name.window_us:
-                    row.override = override
                 row.sources = sorted({k.source for k in matching})
                 decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
                 row.remaining = decision.remaining
@@ -393,8 +416,10 @@ def _window(window_us: int) -> str:
     return text if text[0].isdigit() else "1" + text
 
 
-def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]:
-    """The table ``status`` prints."""
+def format_status(
+    rows: Sequence[KeyStatus], prefix: str, url: str, *, app: bool = True
+) -> list[str]:
+    """The table ``status`` prints (``app``: the app's declarations were read)."""
     lines = [f"prefix {prefix!r} on {url}: {len(rows)} active key(s)"]
     if not rows:
         return lines
@@ -417,10 +442,12 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
             if row.pace_in is not None and isinstance(row.limit, Limit):
                 label += f"; paced, burst {row.limit.burst}: next unit {in_seconds(row.pace_in)}"
         else:
-            used = f"{row.used}"
+            used = f"{row.used}/{row.override.limit}" if row.override else f"{row.used}"
             remaining = "?"
             free = "?"
-            label = "not declared by the app"
+            label = "not declared by the app" if app else "declared limit: needs the app (-A)"
+            if row.override:
+                label += f"; overridden: {row.override}"
             if row.oldest_leaves is not None:
                 label += f"; oldest entry leaves {in_seconds(row.oldest_leaves)}"
         reserved = str(row.reservations)
@@ -450,6 +477,11 @@ def format_status(rows: Sequence[KeyStatus], prefix: str, url: str) -> list[str]
         "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "
         "turn; REMAINING and NEXT FREE count them)."
     )
+    if not app and any(row.limit is None for row in rows):
+        lines.append(
+            "Without the app (-A proj), a key's declared limit, REMAINING and NEXT FREE "
+            "are unknown (?): what Redis holds is shown."
+        )
     return lines
 
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from ._compat import ProxyParts
 from ._exceptions import InvalidLimit, InvalidRate
-from ._keys import escape_key, logical_key, render
+from ._keys import escape_key, fixed_key, render
 from ._limit import AnyLimit, Concurrency, Limit, check_cost, check_weight, to_limits
 
 
@@ -66,7 +66,7 @@ class Plan:
                         arguments = self._bind(args, kwargs)
                     keys.append(render(key, arguments, args))
                 else:
-                    keys.append(escape_key(key))
+                    keys.append(fixed_key(key))
             else:
                 keys.append(_key_of(key, f"key function of {limit.label}", args, kwargs))
             if isinstance(limit, Concurrency):
@@ -99,9 +99,9 @@ class Plan:
         key = limit.fair_key
         if isinstance(key, str):
             if limit.fair_fields:
-                value = logical_key(render(key, self._bind(args, kwargs), args))
+                value = render(key, self._bind(args, kwargs), args)
             else:
-                value = escape_key(key)
+                value = fixed_key(key)
         else:
             value = _key_of(key, f"fair_key function of {limit.label}", args, kwargs)
         weight = limit.fair_weight

@@ -49,7 +49,7 @@ from ._exceptions import (
     LimiterUnavailable,
 )
 from ._headers import Observation
-from ._keys import escape_key, logical_key
+from ._keys import escape_key
 from ._limit import Concurrency, describe, to_limits
 from ._plan import check_key_fields, plan_for
 from ._settings import limiter_for
@@ -190,7 +190,7 @@ def after_upstream(
     if request.is_eager or request.called_directly or plan is None:
         return False
     check = Check(task, plan, tuple(args), kwargs)
-    keys = [_tagged(escape_key(exc.key), check.keys)] if exc.key else list(check.keys)
+    keys = [escape_key(exc.key)] if exc.key else list(check.keys)
     try:
         if exc.key:
             check.limiter.pause_keys(keys, exc.seconds)
@@ -209,9 +209,7 @@ def after_upstream(
     if check.metrics is not None:
         check.metrics.pause(plan.limits)
     release(request)
-    reason = (
-        f"upstream rate limited: {', '.join(map(logical_key, keys))} paused for {exc.seconds:g}s"
-    )
+    reason = f"upstream rate limited: {', '.join(keys)} paused for {exc.seconds:g}s"
     try:
         decision = check.decide(None, reserve=True)
     except (LimiterUnavailable, LimiterMisconfigured):
@@ -224,12 +222,6 @@ def after_upstream(
         countdown, token = exc.seconds, None
     check.defer(min(countdown, check.max_countdown), token, reason, why="upstream")
     return True
-
-
-def _tagged(key: str, keys: tuple[str, ...]) -> str:
-    """``key`` (escaped, as a body named it) as this call's keys carry it, hash tag
-    marked, when it is one of them; else itself."""
-    return next((k for k in keys if logical_key(k) == key), key)
 
 
 def _token_header(task: Any, request: Any) -> str | None:

@@ -46,13 +46,13 @@ app.conf.update(
 )
 
 # The Redis Cluster hash tag picks the slot (and so the cluster node) that holds the
-# key: a key's first segment and the values its template fills in after it. With
-# "{tenant}:api" the tag is the tenant itself ("api:{tenant}" would be tagged
-# "api:<tenant>", as good), so "acme:api" and "globex:api" hash to different slots and
-# tenants spread over the cluster. The tenant first also gives a string key the same
-# tag: a producer checking `limiter.peek("acme:api", ...)` reads this very budget.
-# (Limits checked together in one call must share the tag: a per-tenant quota next to
-# this one would be "{tenant}:quota".) On a single Redis it makes no difference.
+# key: a key's first and last segments. "{tenant}:api" renders "acme:api", tagged
+# "acme:api" ("api:{tenant}" would be tagged "api:acme", as good), so tenants hash to
+# different slots and spread over the cluster. A producer checking
+# `limiter.peek("acme:api", ...)` reads this very budget: a key is its string, however
+# it is reached. (Limits checked together in one call must share the tag: a per-tenant
+# quota next to this one would be "{tenant}:quota:api".) On a single Redis it makes no
+# difference.
 TENANT_LIMIT = Limit(TENANT_RATE, key="{tenant}:api", name="tenant-api")
 
 _client: redis.Redis | None = None

@@ -7,7 +7,7 @@ share one budget per key (``yt:quota:{api_key}``), kept at 9,500 to leave headro
 manual use. On top of it, ``search.list`` has a dedicated cap
 (``yt:search:{api_key}``), because a pagination bug once burned 4,000 units in ten
 minutes. Both limits are checked in one script, all or nothing, and they share the
-Redis Cluster hash tag ``yt:<api_key>`` (the first segment and the template's value),
+Redis Cluster hash tag ``yt:<api_key>`` (the key's first and last segments),
 so both keys sit in one slot, a slot per API key.
 
 The API's daily quota resets at midnight Pacific Time (its Quota Calculator page), so

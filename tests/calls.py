@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_ratelimit import Decision, Limiter
-from celery_ratelimit._layout import tagged_keys
+from celery_ratelimit._layout import parse_key
 
 ACQUIRE, RESERVE, PEEK, CONFIRM, RESTAMP, RELEASE = (
     "acquire",
@@ -32,7 +32,8 @@ def decide(
     guard: float = 0.0,
 ) -> Decision | None:
     """``mode``'s public method for the logical keys of ``redis_keys`` (None: a release)."""
-    keys = tuple(tagged_keys([key])[0] for key in redis_keys)  # as the calls gave them
+    names = [parse_key(limiter.prefix, key) for key in redis_keys]
+    keys = tuple(name.key for name in names if name is not None)  # as the calls gave them
     if mode == PEEK:
         return limiter.peek(keys, limits, cost, guard=guard)
     if mode == RELEASE:

@@ -104,6 +104,28 @@ def test_status_by_url_and_prefix_without_an_app(
     assert "2 active key(s)" in out
     assert row(out, "yt:quota:key1")[1:4] == ["600s", "log", "301"]
     assert "adhoc:job" not in out
+    # what needs the app is said plainly, and what Redis holds is shown: an override too
+    assert "declared limit: needs the app (-A)" in " ".join(row(out, "yt:quota:key1"))
+    assert "Without the app (-A proj)" in out
+    cli("set", "yt:quota:key1", "400/600s", "--url", server.url, "--prefix", "example", env=env)
+    out = cli("status", "--url", server.url, "--prefix", "example", "--match", "yt:*", env=env)
+    assert row(out, "yt:quota:key1")[3] == "301/400" and "overridden: 400/600s" in out
+
+
+def test_explain_takes_url_and_prefix_and_counts_against_the_override(
+    server: RedisServer, limiter: Limiter, env: dict[str, str]
+) -> None:
+    populate(limiter)  # the search cap full (25/25)
+    cli("set", "yt:search:key1", "30/25s", "--url", server.url, "--prefix", "example", env=env)
+    elsewhere = {**env, "RATELIMIT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    where = ("--url", server.url, "--prefix", "example")
+    call = (f"{APP}.search_list", "key1", "US", "--kwargs", '{"query": "cats"}')
+    ours = cli("explain", "-A", APP, *call, *where, env=elsewhere)
+    result = run(CELERY, "-A", APP, "ratelimit", "explain", *call, *where, env=elsewhere)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for out in (ours, result.stdout):
+        assert "used 25/30" in out and "overridden 30/25s (declared 25/25s)" in out
+        assert "override yt:search:key1: 30/25s (until unset)" in out
 
 
 def test_celery_subcommand_status_through_the_entry_point(
@@ -130,8 +152,8 @@ def test_reset_removes_every_window_of_the_key_and_nothing_else(
     out = cli("reset", "yt:quota:key1", "-A", APP, env=env)
     deleted = {line.split()[1] for line in out.splitlines()}
     assert deleted == {
-        "example:{yt}:quota:key1:log:600000000",
-        "example:{yt}:quota:key1:log:60000000",
+        "example:{yt:key1}:yt:quota:key1:log:600000000",
+        "example:{yt:key1}:yt:quota:key1:log:60000000",
     }
     assert {k.decode() for k in client.keys("example:*")} == before - deleted
     assert "nothing to reset" in cli(
@@ -147,7 +169,7 @@ def test_explain_shows_limits_keys_and_decision_without_consuming(
     rendered = render("yt:quota:{api_key}", {"api_key": "key1"}, ())
     limiter.acquire([rendered], Limit(QUOTA), 9450)
     client = redis.Redis.from_url(server.url)
-    key = "example:{yt:key1}:quota:key1:log:600000000"
+    key = "example:{yt:key1}:yt:quota:key1:log:600000000"
     state = (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0)
     task = f"{APP}.search_list"
     out = cli("explain", "-A", APP, task, "key1", "US", "--kwargs", '{"query": "cats"}', env=env)
@@ -155,14 +177,14 @@ def test_explain_shows_limits_keys_and_decision_without_consuming(
     assert "limits    the task's ratelimit option" in out
     assert "1. yt:quota:{api_key}@9500/600s  (9500/600s, log, cost 100)" in out
     assert f"redis key  {key}" in out
-    assert "redis key  example:{yt:key1}:search:key1:log:25000000" in out
+    assert "redis key  example:{yt:key1}:yt:search:key1:log:25000000" in out
     assert "used 9450/9500 (0 reserved slot(s)), remaining 50" in out
     denied = "decision  denied by yt:quota:{api_key}@9500/600s: it fits"
     assert 0 < seconds_after(out, denied) <= 600
     assert "nothing was counted" in out
     # peek: the quota's total and entries are as they were, and the cap's key was not made
     assert (client.zscore(key, ""), client.zcard(key), client.pttl(key) > 0) == state
-    assert not client.exists("example:{yt:key1}:search:key1:log:25000000")
+    assert not client.exists("example:{yt:key1}:yt:search:key1:log:25000000")
     # a cheap call still fits
     out = cli("explain", "-A", APP, f"{APP}.videos_list", "key1", "US", "3", env=env)
     assert "decision  allowed now (50 free before this call)" in out

@@ -14,7 +14,6 @@ from celery import Celery, shared_task
 from celery.worker.request import Request
 
 from celery_ratelimit import Limit, _compat, ratelimit
-from celery_ratelimit._keys import logical_key
 from celery_ratelimit._plan import plan_for
 
 
@@ -60,7 +59,7 @@ def test_ratelimit_above_shared_task_gives_every_app_the_same_limits(
     assert plan is not None
     assert plan.limits == (Limit("7/s", key=f"{name}:{{i}}"),)
     keys, costs, _ = plan.resolve((3,), {})
-    assert ([logical_key(k) for k in keys], costs) == ([f"{name}:3"], (1,))
+    assert (list(keys), costs) == ([f"{name}:3"], (1,))
 
 
 def test_a_received_eta_is_moved_only_through_the_private_path(

@@ -271,28 +271,43 @@ def test_cluster_spreads_tenants_over_shards_keeps_each_call_in_one_slot_and_fol
     ports = ",".join(f"127.0.0.1:{n.port}" for n in cluster[:2])
     limiter = Limiter.from_url(f"redis+cluster://{ports}", prefix="cl")
     tenants = 300
+
+    def stacked(t: int, cost: int = 1) -> list[Limit]:
+        # the tag is the first and last segments: both limits of a tenant share "api:t<t>"
+        return [
+            Limit("5/m", key=f"api:calls:t{t}"),
+            Limit("100/h", key=f"api:units:t{t}", cost=cost),
+        ]
+
     for t in range(tenants):
-        limits = [Limit("5/m", key=f"t{t}:calls"), Limit("100/h", key=f"t{t}:units", cost=10)]
         for _ in range(3):
-            assert limiter.acquire(f"t{t}", limits).allowed
+            assert limiter.acquire(f"t{t}", stacked(t, 10)).allowed
+        # the README's per-tenant key, given as the string a task renders
+        assert limiter.acquire(f"api:t{t}", Limit("5/m")).allowed
     per_node = [n.client().dbsize() for n in cluster]
-    assert sum(per_node) == 2 * tenants
-    assert min(per_node) > tenants * 2 // 10, per_node  # every shard holds a fair share
+    assert sum(per_node) == 3 * tenants
+    # every shard holds a fair share: none above 40% of the tenants' keys
+    assert max(per_node) <= 0.4 * sum(per_node), per_node
     # both keys of a call in one slot: CROSSSLOT would have raised above; check directly
     client = limiter.client
     slots = Counter()
     for t in range(tenants):
-        keys = limiter.keys_for(
-            f"t{t}", [Limit("5/m", key=f"t{t}:calls"), Limit("100/h", key=f"t{t}:units")]
-        )
+        keys = limiter.keys_for(f"t{t}", stacked(t))
         assert len({client.keyslot(k) for k in keys}) == 1
         slots[client.keyslot(keys[0])] += 1
-    # limits of one call with different hash tags are refused before reaching Redis
-    with pytest.raises(InvalidLimit, match="hash tag"):
+    # limits of one call with different hash tags are refused before reaching Redis,
+    # naming what shares a tag
+    with pytest.raises(InvalidLimit, match="first and last segments"):
         limiter.acquire("x", [Limit("5/m", key="a:calls"), Limit("100/h", key="b:units")])
+    # a tag of the keys' own, in braces, puts them in one slot (a Limit's key is a
+    # template: its braces doubled; as strings given to acquire, as they are)
+    own = [Limit("5/m", key="{{a}}:calls"), Limit("100/h", key="{{a}}:units")]
+    assert limiter.acquire("x", own).allowed
+    assert limiter.acquire(["{a}:calls", "{a}:units"], [Limit("5/m"), Limit("100/h")]).allowed
+    assert limiter.peek("{a}:calls", Limit("5/m")).remaining == 3
 
     # reshard: move tenant t0's slot to another primary behind the client's back
-    keys = limiter.keys_for("t0", [Limit("5/m", key="t0:calls"), Limit("100/h", key="t0:units")])
+    keys = limiter.keys_for("t0", stacked(0))
     slot = client.keyslot(keys[0])
     source = next(
         n for n in cluster if n.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
@@ -300,8 +315,7 @@ def test_cluster_spreads_tenants_over_shards_keeps_each_call_in_one_slot_and_fol
     target = next(n for n in cluster if n is not source)
     moved = move_slot(cluster, slot, source, target)
     assert moved >= 2
-    limits = [Limit("5/m", key="t0:calls"), Limit("100/h", key="t0:units", cost=10)]
-    answers = [limiter.acquire("t0", limits).allowed for _ in range(3)]
+    answers = [limiter.acquire("t0", stacked(0, 10)).allowed for _ in range(3)]
     # the budget moved with the keys: 3 of 5 were used before, 2 more fit, then denied
     assert answers == [True, True, False]
     assert target.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) >= 2

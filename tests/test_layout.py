@@ -9,7 +9,7 @@ import pytest
 
 from celery_ratelimit import Concurrency, Limit, Limiter
 from celery_ratelimit._cli import run_set
-from celery_ratelimit._keys import logical_key, render
+from celery_ratelimit._keys import escape_key, hash_tag, render
 from celery_ratelimit._layout import (
     COUNTER_FIELDS,
     EFF_FIELD,
@@ -90,7 +90,7 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd", "{api:t1}:t1", "{yt:K}:quota:K"]
+    "key", ["api", "yt:quota:key1", "a%3Ab:c", "t:#0123abcd", "{yt}:quota", "x:{yt:K}:quota"]
 )
 @pytest.mark.parametrize("rate", ["10/s", "9500/d"])
 @pytest.mark.parametrize("algorithm", ["log", "counter"])
@@ -98,7 +98,7 @@ def test_every_key_name_reads_back(key: str, rate: str, algorithm: str) -> None:
     limit = Limit(rate, algorithm=algorithm)
     name = parse_key("ratelimit", redis_key("ratelimit", key, limit))
     assert name is not None
-    expected = (logical_key(key), algorithm, limit.rate.window_us)
+    expected = (key, algorithm, limit.rate.window_us)
     assert (name.key, name.algorithm, name.window_us) == expected
 
 
@@ -133,12 +133,14 @@ def tag_of(name: str) -> str:
     [
         (["api:{tenant}"], {"tenant": "t1"}, ["api:t1"]),  # a slot per tenant
         (["yt:quota:{k}", "yt:search:{k}"], {"k": "K"}, ["yt:K", "yt:K"]),  # one call, one slot
-        (["yt:quota", "yt:search"], {}, ["yt", "yt"]),  # no values: the first segment
-        (["{tenant}:erp"], {"tenant": "t1"}, ["t1"]),
-        (["{tenant}:{region}:calls"], {"tenant": "t", "region": "eu"}, ["t:eu"]),
+        (["yt:quota", "yt:search"], {}, ["yt:quota", "yt:search"]),
+        (["{{yt}}:quota", "{{yt}}:search"], {}, ["yt", "yt"]),  # a tag of the key's own
+        (["{{yt:{k}}}:quota", "{{yt:{k}}}:search"], {"k": "K"}, ["yt:K", "yt:K"]),
+        (["{tenant}:erp", "erp"], {"tenant": "t1"}, ["t1:erp", "erp"]),
+        (["{tenant}:{region}:calls"], {"tenant": "t", "region": "eu"}, ["t:calls"]),
     ],
 )
-def test_a_keys_hash_tag_is_its_first_segment_and_the_values_filled_in_after_it(
+def test_a_keys_hash_tag_is_its_own_or_its_first_and_last_segments(
     templates: list[str], arguments: dict[str, str], tags: list[str]
 ) -> None:
     limit = Limit("10/s")
@@ -147,10 +149,10 @@ def test_a_keys_hash_tag_is_its_first_segment_and_the_values_filled_in_after_it(
         name = redis_key("ratelimit", rendered, limit)
         assert tag_of(name) == tag
         # read back as written, and the same Redis key whichever call it is in
-        assert parse_key("ratelimit", name) == KeyName(
-            name, logical_key(rendered), "log", 1_000_000
-        )
-        assert logical_key(rendered) == template.format(**arguments)
+        assert parse_key("ratelimit", name) == KeyName(name, rendered, "log", 1_000_000)
+        # the rendered key is the string a user would give, and names the same Redis key
+        assert rendered == escape_key(template.format(**arguments))
+        assert hash_tag(rendered) == tag
 
 
 def test_a_templated_key_is_reset_overridden_and_shown_by_the_key_as_written(
@@ -159,7 +161,7 @@ def test_a_templated_key_is_reset_overridden_and_shown_by_the_key_as_written(
     rate = Limit("2/m")
     rendered = render("api:{tenant}", {"tenant": "t1"}, ())
     keys = limiter.keys_for([rendered], rate)
-    assert keys == [f"{limiter.prefix}:{{api:t1}}:t1:log:60000000"]
+    assert keys == [f"{limiter.prefix}:{{api:t1}}:log:60000000"]
     assert limiter.acquire([rendered], rate).allowed
     assert keys_of(limiter.client, limiter.prefix, "api:t1") == keys
     # `celery ratelimit set api:t1 1/m` reaches the calls of the template

@@ -5,7 +5,6 @@ Run with ``-s`` to see the figures.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import subprocess
 import time
@@ -33,7 +32,7 @@ from celery_ratelimit import (
     install,
     ratelimit,
 )
-from celery_ratelimit._keys import MAX_KEY, MAX_TAG, escape_key, escape_part, logical_key, render
+from celery_ratelimit._keys import MAX_KEY, escape_key, hash_tag, render
 from celery_ratelimit._layout import redis_key
 from celery_ratelimit._scripts import source
 from celery_ratelimit._settings import check_app_settings
@@ -69,16 +68,10 @@ def test_two_field_keys_of_distinct_tenants_never_collide_or_move_the_tag(
     assert (ka == kb) == (same(a[0], b[0]) and same(a[1], b[1]))
     full = redis_key("ratelimit", ka, LOG)
     assert full.count("{") == full.count("}") == 1
-    assert logical_key(ka).count(":") == 2
-    # the tag: the tenant (the first segment), then the region; nothing else (past
-    # MAX_TAG, the tenant and a digest of the whole tag: still one slot per tenant+region)
+    assert ka.count(":") == 2
+    # the tag: the first and last segments, the tenant and "calls" (one slot per tenant)
     tag = full.split("{", 1)[1].split("}", 1)[0]
-    whole = f"{escape_part(a[0])}:{escape_part(a[1])}"
-    if len(whole) <= MAX_TAG:
-        assert tag == whole
-    else:
-        digest = hashlib.sha256(whole.encode()).hexdigest()[:32]
-        assert tag == f"{escape_part(a[0])}:#{digest}"
+    assert tag == hash_tag(ka) == f"{ka.split(':')[0]}:calls"
 
 
 @pytest.mark.parametrize("template", ["{a}{b}", "t:{a}-{b}", "{a}_{b}", "{a} {b}", "{a}%{b}"])
@@ -97,9 +90,14 @@ def test_any_code_given_key_gives_one_hash_tag_and_a_bounded_printable_key(key: 
             limiter.keys_for(key, LOG)
         return
     [full] = limiter.keys_for(key, LOG)
-    assert full.startswith("p:{") and full.count("{") == full.count("}") == 1
-    assert len(escape_key(key)) <= MAX_KEY
-    assert len(full) <= len("p:{}") + MAX_KEY + len(":log:") + 12
+    escaped = escape_key(key)
+    # the name's first brace pair is the tag, the key's own if it names one (at most one
+    # pair is left in a key: its own tag), and the key follows it as escaped
+    tag = hash_tag(escaped)
+    assert full == (f"p:{{{tag}}}" + (f":{escaped}" if tag != escaped else "") + ":log:200000")
+    assert escaped.count("{") == escaped.count("}") <= 1
+    assert len(escaped) <= MAX_KEY
+    assert len(full) <= len("p:{}:") + 2 * MAX_KEY + len(":log:") + 12
     assert all(0x21 <= ord(c) <= 0x7E for c in full)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_ratelimit import Limit, RateLimitedTask
+from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
@@ -51,6 +51,8 @@ app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     task_default_queue=os.environ.get("CRL_QUEUE", "celery"),
+    # the third form of the key shapes the README teaches (``door_*``)
+    ratelimit_rules={"tests.apps.faults.door_erp": Limit(RATE, key="{k}:erp")},
 )
 if os.environ.get("CRL_MASTER_NAME"):
     # a broker on a Sentinel group (sentinel://h:p;sentinel://h:p): kombu's service name
@@ -100,6 +102,27 @@ def per_tenant(self: Any, tenant: str, i: int) -> int:
     return i
 
 
+# The key shapes the README teaches, one per form (base class, decorator, rules): an
+# override, a pause or a producer's acquire on the rendered key must reach them.
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="api:{k}"), bind=True)
+def door_api(self: Any, k: str, i: int) -> int:
+    record(self, i=i, k=k)
+    return i
+
+
+@ratelimit(RATE, key="yt:quota:{k}")
+@app.task(bind=True)
+def door_quota(self: Any, k: str, i: int) -> int:
+    record(self, i=i, k=k)
+    return i
+
+
+@app.task(bind=True)
+def door_erp(self: Any, k: str, i: int) -> int:
+    record(self, i=i, k=k)
+    return i
+
+
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True)
 def limited(self: Any, i: int) -> int:
     record(self, i=i)
@@ -142,3 +165,6 @@ def bad_key_function(self: Any, i: int) -> int:
 def too_few_arguments(self: Any, *args: Any) -> int:
     record(self)
     return len(args)
+
+
+install(app)
