@@ -28,7 +28,6 @@ from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS
 from benchmarks.docs_tables import markdown
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._base import ACQUIRE
 from celery_ratelimit._embedded import RedisServer, start_cluster
 from celery_ratelimit._keys import render
 
@@ -37,22 +36,19 @@ LIMIT = Limit("1000000/s")
 PREFIX = "bench"
 
 
-def tenant_keys(limiter: Limiter) -> list[list[str]]:
-    """Each tenant's Redis key, as a task keyed ``api:{tenant}`` would use it."""
-    return [
-        limiter.keys_for([render("api:{tenant}", {"tenant": f"t{n}"}, ())], LIMIT)
-        for n in range(TENANTS)
-    ]
+def tenant_keys() -> list[str]:
+    """Each tenant's key, as a task keyed ``api:{tenant}`` renders it."""
+    return [render("api:{tenant}", {"tenant": f"t{n}"}, ()) for n in range(TENANTS)]
 
 
 def _client(url: str, seconds: float, start: Any, out: Any) -> None:
     limiter = Limiter.from_url(url, prefix=PREFIX)
-    keys = tenant_keys(limiter)
-    limiter.decide(keys[0], (LIMIT,), 1, ACQUIRE)  # connected, scripts loaded
+    keys = tenant_keys()
+    limiter.acquire([keys[0]], LIMIT)  # connected, scripts loaded
     start.wait()
     done, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
-        limiter.decide(keys[done % TENANTS], (LIMIT,), 1, ACQUIRE)
+        limiter.acquire([keys[done % TENANTS]], LIMIT)
         done += 1
     out.put(done)
 
@@ -88,7 +84,8 @@ def spread(nodes: list[RedisServer]) -> dict[str, list[int]]:
     owners = slot_owners(nodes[0])
     ports = [node.port for node in nodes]
     limiter = Limiter.from_url(nodes[0].url, prefix=PREFIX)  # names only: no call sent
-    tagged = Counter(owners[key_slot(k.encode())] for [k] in tenant_keys(limiter))
+    names = [limiter.keys_for([key], LIMIT)[0] for key in tenant_keys()]
+    tagged = Counter(owners[key_slot(name.encode())] for name in names)
     first = Counter(
         owners[key_slot(f"{PREFIX}:{{api}}:api:t{n}:log:1000000".encode())] for n in range(TENANTS)
     )

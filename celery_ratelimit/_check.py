@@ -39,6 +39,8 @@ from ._slots import Held, hold, release
 
 logger = logging.getLogger("celery_ratelimit")
 
+#: What the names of the message headers we write begin with.
+OUR_HEADERS = "ratelimit_"
 #: Message headers written on a deferral.
 DEFERRALS_HEADER = "ratelimit_deferrals"
 #: How many of those deferrals the task could not get budget: the limit denied it
@@ -356,13 +358,20 @@ class Check:
         raise deferral(request.id, Retry(reason, when=countdown, sig=signature))
 
     def copy(self, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:
-        """The signature of this task published again, due ``countdown`` from now."""
+        """The signature of this task published again, due ``countdown`` from now: every
+        header of its message (custom ones included, as ``self.retry()`` keeps them),
+        then ours (``ratelimit_*``, a name of our own, so never one of the user's)."""
         request = self.request
         headers = {
             name: value
-            for name, value in vars(request).items()
-            if name.startswith("ratelimit_") and name != DECISION_ATTR
+            for name, value in (request.headers or {}).items()
+            if not name.startswith(OUR_HEADERS)
         }
+        headers.update(
+            (name, value)
+            for name, value in vars(request).items()
+            if name.startswith(OUR_HEADERS) and name != DECISION_ATTR
+        )
         headers[DEFERRALS_HEADER] = deferrals
         headers[DENIALS_HEADER] = denials
         headers[TOKEN_HEADER] = token

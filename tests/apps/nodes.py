@@ -2,7 +2,8 @@
 
 Configured from the environment by the test that starts the nodes:
 CRL_BROKER, CRL_BACKEND, CRL_REDIS (limiter), CRL_PREFIX, CRL_RATE, CRL_RESERVE,
-CRL_QUEUE (default queue name).
+CRL_QUEUE (default queue name), CRL_PARK_AFTER ("none", seconds; default "auto"),
+CRL_MAX_COUNTDOWN (``ratelimit_max_countdown``, seconds).
 Every task records its execution (Redis TIME taken inside the task) in the list
 ``{CRL_PREFIX}:runs`` so the test can check the windows afterwards; every message a
 node receives with an ETA is noted in ``{CRL_PREFIX}:held`` (seconds until that ETA).
@@ -36,6 +37,7 @@ BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
 PREFIX = os.environ.get("CRL_PREFIX", "crl")
 RATE = os.environ.get("CRL_RATE", "10/s")
+PARK = os.environ.get("CRL_PARK_AFTER", "auto")
 #: Units per window of the "llm" key; a call is counted at 10 (an estimate) and
 #: settled at the units it used.
 LLM_RATE = "30/2s"
@@ -48,6 +50,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("CRL_QUEUE", "celery"),
+    ratelimit_park_after=None if PARK == "none" else PARK if PARK == "auto" else float(PARK),
     ratelimit_rules={
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
         # a typo no task's name matches: each node says so when it starts
@@ -60,6 +63,8 @@ app.conf.update(
         ),
     },
 )
+if os.environ.get("CRL_MAX_COUNTDOWN"):
+    app.conf.ratelimit_max_countdown = float(os.environ["CRL_MAX_COUNTDOWN"])
 _client: redis.Redis | None = None
 
 
@@ -93,6 +98,13 @@ def record(task: Any, **extra: Any) -> int:
                 "token": decision.token if decision is not None else None,
                 "retries": task.request.retries,
                 "hostname": task.request.hostname,
+                # the message's own headers (ours left out), and its stamps
+                "headers": {
+                    k: v
+                    for k, v in (task.request.headers or {}).items()
+                    if not k.startswith("ratelimit_")
+                },
+                "stamps": getattr(task.request, "stamps", None) or {},
                 **extra,
             }
         ),
