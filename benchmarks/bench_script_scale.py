@@ -26,9 +26,9 @@ import redis
 
 from benchmarks.bench_celery import RESULTS
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._base import ALLOWED, STARTS_AT
-from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._scripts import MAX_HORIZON, shape
+from celery_ratelimit._engine.base import ALLOWED, STARTS_AT
+from celery_ratelimit._engine.scripts import MAX_HORIZON, shape
+from celery_ratelimit._tools.embedded import RedisServer
 
 #: Each call timed: the entry script and its flag (see each ``lua/*.lua`` header).
 ACQUIRE, RESERVE, PEEK = ("acquire", "now"), ("acquire", "reserve"), ("acquire", "peek")

@@ -31,7 +31,7 @@ from typing import Any
 
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
-from celery_ratelimit._rate import Rate
+from celery_ratelimit._engine.rate import Rate
 from tests.upstream import Upstream
 
 #: Converged: the accepted calls in every SETTLE_SPAN s from then on are at least this

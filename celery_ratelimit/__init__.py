@@ -10,11 +10,15 @@ Public API::
 
 from __future__ import annotations
 
-from . import _startup  # noqa: F401  (connects the limiter's check at worker_ready)
-from ._async import AsyncLimiter
-from ._decision import Decision
-from ._decorator import ratelimit
-from ._exceptions import (
+from ._celery import startup  # noqa: F401  (connects the limiter's check at worker_ready)
+from ._celery.decorator import ratelimit
+from ._celery.install import install
+from ._celery.observe import observe
+from ._celery.settle import settle
+from ._celery.task import RateLimitedTask
+from ._engine.aio import AsyncLimiter
+from ._engine.decision import Decision
+from ._engine.exceptions import (
     InvalidLimit,
     InvalidRate,
     LimiterMisconfigured,
@@ -22,14 +26,10 @@ from ._exceptions import (
     RateLimitError,
     RateLimitExceeded,
 )
-from ._install import install
-from ._limit import Concurrency, Limit
-from ._limiter import Limiter
-from ._observe import observe
-from ._rate import Rate
-from ._settle import settle
-from ._task import RateLimitedTask
-from ._upstream import UpstreamRateLimited
+from ._engine.limit import Concurrency, Limit
+from ._engine.limiter import Limiter
+from ._engine.rate import Rate
+from ._engine.upstream import UpstreamRateLimited
 
 __all__ = [
     "AsyncLimiter",

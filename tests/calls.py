@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_ratelimit import Decision, Limiter
-from celery_ratelimit._layout import parse_key
+from celery_ratelimit._engine.layout import parse_key
 
 ACQUIRE, RESERVE, PEEK, CONFIRM, RESTAMP, RELEASE = (
     "acquire",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from celery_ratelimit._embedded import WorkerNodes
+from celery_ratelimit._tools.embedded import WorkerNodes
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-from celery_ratelimit import _layout
+from celery_ratelimit._engine import layout as _layout
 
 # the layout of a log, as the package reads it
 ENTRY_FLOOR, TOKEN_LEN, weight_of = _layout.ENTRY_FLOOR, _layout.TOKEN_LEN, _layout.weight_of

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import redis
 
-from celery_ratelimit._embedded import SERVER_ENV, bundled_binary
+from celery_ratelimit._tools.embedded import SERVER_ENV, bundled_binary
 
 FAKETIME = shutil.which("faketime")
 

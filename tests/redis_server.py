@@ -5,6 +5,6 @@ no setup. ``REDIS_URL`` points the ``redis_url`` fixture at an existing server i
 (tests that stop or restart Redis then skip).
 """
 
-from celery_ratelimit._embedded import RedisServer, free_port, redis_binary
+from celery_ratelimit._tools.embedded import RedisServer, free_port, redis_binary
 
 __all__ = ["RedisServer", "free_port", "redis_binary"]

@@ -17,7 +17,7 @@ from celery_ratelimit import (
     Limiter,
     LimiterUnavailable,
 )
-from celery_ratelimit._ops import key_settings
+from celery_ratelimit._tools.ops import key_settings
 from tests.redis_server import RedisServer
 
 

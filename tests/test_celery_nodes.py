@@ -26,9 +26,10 @@ import pytest
 from celery import chain, chord, group
 from kombu import Connection
 
-from celery_ratelimit import Limit, Limiter, Rate, _settings
-from celery_ratelimit._check import ETA_MARGIN
-from celery_ratelimit._layout import PENDING
+from celery_ratelimit import Limit, Limiter, Rate
+from celery_ratelimit._celery import settings as _settings
+from celery_ratelimit._celery.check import ETA_MARGIN
+from celery_ratelimit._engine.layout import PENDING
 from tests.apps.nodes import CAP, FAIR_RATE, MATH, PUSHED, QUOTA
 from tests.calls import RESTAMP, decide
 from tests.log_reader import entries as log_entries

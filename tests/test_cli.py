@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Concurrency, Limit, Limiter, Rate
-from celery_ratelimit._keys import render
+from celery_ratelimit._engine.keys import render
 from tests.examples_env import run
 from tests.redis_server import RedisServer, free_port
 
@@ -250,7 +250,7 @@ def test_demo_runs_end_to_end_and_prints_the_report() -> None:
 
 
 def test_the_demo_verdict_is_by_starts_and_says_by_how_much_and_why() -> None:
-    from celery_ratelimit._demo import Report
+    from celery_ratelimit._tools.demo import Report
 
     rate = Rate.parse("2/s")
     # three bodies start within one second although no two grants share a window: the

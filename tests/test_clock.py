@@ -1,4 +1,4 @@
-"""The deferring worker's offset to Redis's clock (celery_ratelimit._clock.observe).
+"""The deferring worker's offset to Redis's clock (celery_ratelimit._celery.clock.observe).
 
 A copy is published with ``eta`` = Redis's now + countdown, Redis's now being the local
 clock plus this offset: an offset wrong by 150 ms makes the copy arrive 150 ms before its
@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_ratelimit import Decision, Limit, Limiter, _clock
+from celery_ratelimit import Decision, Limit, Limiter
+from celery_ratelimit._celery import clock as _clock
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,9 @@ import pytest
 from celery import Celery, shared_task
 from celery.worker.request import Request
 
-from celery_ratelimit import Limit, _compat, ratelimit
-from celery_ratelimit._plan import plan_for
+from celery_ratelimit import Limit, ratelimit
+from celery_ratelimit._celery import compat as _compat
+from celery_ratelimit._celery.plan import plan_for
 
 
 def test_every_private_path_is_found_on_this_celery() -> None:

@@ -20,8 +20,8 @@ from celery_ratelimit import (
     Limiter,
     UpstreamRateLimited,
 )
-from celery_ratelimit._layout import AVERAGE
-from celery_ratelimit._upstream import seconds_from
+from celery_ratelimit._engine.layout import AVERAGE
+from celery_ratelimit._engine.upstream import seconds_from
 from tests.log_reader import server_us
 
 
@@ -58,7 +58,7 @@ def test_a_bad_concurrency_limit_fails_when_declared(
 
 
 def test_a_concurrency_limit_goes_after_the_rate_limits_it_is_checked_with() -> None:
-    from celery_ratelimit._limit import to_limits
+    from celery_ratelimit._engine.limit import to_limits
 
     slots, rate = Concurrency(1, key="erp:{tenant}"), Limit("100/m", key="erp")
     assert to_limits([slots, rate]) == (rate, slots)

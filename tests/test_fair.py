@@ -25,12 +25,12 @@ from celery_ratelimit import (
     RateLimitedTask,
     ratelimit,
 )
-from celery_ratelimit._explain import explain, format_explanation
-from celery_ratelimit._fair import place_of, waiting_by_value
-from celery_ratelimit._layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
-from celery_ratelimit._limit import to_limits
-from celery_ratelimit._ops import format_status, status
-from celery_ratelimit._plan import plan_for
+from celery_ratelimit._celery.plan import plan_for
+from celery_ratelimit._engine.fair import place_of, waiting_by_value
+from celery_ratelimit._engine.layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
+from celery_ratelimit._engine.limit import to_limits
+from celery_ratelimit._tools.explain import explain, format_explanation
+from celery_ratelimit._tools.ops import format_status, status
 from tests.nodes import max_in_window
 
 

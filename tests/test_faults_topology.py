@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter
-from celery_ratelimit._embedded import start_cluster
+from celery_ratelimit._tools.embedded import start_cluster
 from tests.fault_nodes import (
     Fleet,
     deferred_ids,

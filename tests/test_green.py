@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from celery_ratelimit import Concurrency, Limit
-from celery_ratelimit._green import COLD_LEAD, cold_lead, lead
+from celery_ratelimit._celery.green import COLD_LEAD, cold_lead, lead
 
 
 def test_the_first_window_of_decisions_after_a_quiet_spell_is_led() -> None:

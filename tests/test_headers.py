@@ -11,7 +11,7 @@ import logging
 import pytest
 from requests.structures import CaseInsensitiveDict
 
-from celery_ratelimit._headers import MAX_RESET, Budget, Observation, duration, parse
+from celery_ratelimit._engine.headers import MAX_RESET, Budget, Observation, duration, parse
 
 
 def at(date: str) -> float:

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._client import HeldConnection
+from celery_ratelimit._engine.client import HeldConnection
 from tests.redis_server import RedisServer
 
 

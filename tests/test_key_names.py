@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import AsyncLimiter, Limit, Limiter, Rate, RateLimitedTask
-from celery_ratelimit._cli import run_set
-from celery_ratelimit._explain import explain, format_explanation
-from celery_ratelimit._keys import escape_key, hash_tag
-from celery_ratelimit._layout import key_base, settings_of
-from celery_ratelimit._ops import format_status, key_settings, known_limits, status
-from celery_ratelimit._plan import plan_for
+from celery_ratelimit._celery.plan import plan_for
+from celery_ratelimit._engine.keys import escape_key, hash_tag
+from celery_ratelimit._engine.layout import key_base, settings_of
+from celery_ratelimit._tools.cli import run_set
+from celery_ratelimit._tools.explain import explain, format_explanation
+from celery_ratelimit._tools.ops import format_status, key_settings, known_limits, status
 
 RATE = Limit("5/m")
 SHAPES = ("api:{k}", "yt:quota:{k}", "{k}:erp")

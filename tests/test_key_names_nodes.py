@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._embedded import start_cluster
+from celery_ratelimit._tools.embedded import start_cluster
 from tests.fault_nodes import ROOT, Fleet, print_on_failure
 from tests.nodes import unique_prefix
 from tests.redis_server import RedisServer

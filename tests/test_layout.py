@@ -8,9 +8,8 @@ import re
 import pytest
 
 from celery_ratelimit import Concurrency, Limit, Limiter
-from celery_ratelimit._cli import run_set
-from celery_ratelimit._keys import escape_key, hash_tag, render
-from celery_ratelimit._layout import (
+from celery_ratelimit._engine.keys import escape_key, hash_tag, render
+from celery_ratelimit._engine.layout import (
     COUNTER_FIELDS,
     EFF_FIELD,
     ENTRY_FLOOR,
@@ -31,8 +30,9 @@ from celery_ratelimit._layout import (
     parse_override,
     redis_key,
 )
-from celery_ratelimit._ops import key_settings, key_status
-from celery_ratelimit._scripts import GATED, shape, source
+from celery_ratelimit._engine.scripts import GATED, shape, source
+from celery_ratelimit._tools.cli import run_set
+from celery_ratelimit._tools.ops import key_settings, key_status
 
 
 def lua_constant(script: str, name: str) -> float:

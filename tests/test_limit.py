@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from celery_ratelimit import InvalidLimit, InvalidRate, Limit, Limiter, Rate
-from celery_ratelimit._limit import describe, to_limits
+from celery_ratelimit._engine.limit import describe, to_limits
 
 
 def test_defaults_and_label() -> None:

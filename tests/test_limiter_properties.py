@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._decision import token_bytes_of
-from celery_ratelimit._keys import MAX_KEY, escape_part, render
-from celery_ratelimit._layout import PENDING, redis_key
+from celery_ratelimit._engine.decision import token_bytes_of
+from celery_ratelimit._engine.keys import MAX_KEY, escape_part, render
+from celery_ratelimit._engine.layout import PENDING, redis_key
 from tests.calls import CONFIRM, RESERVE, RESTAMP, decide
 from tests.log_reader import (
     ENTRY_FLOOR,

@@ -14,7 +14,8 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited, _metrics
+from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited
+from celery_ratelimit._celery import metrics as _metrics
 from tests.redis_server import RedisServer
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -103,7 +104,7 @@ def test_metrics_are_off_and_prometheus_client_unimported_by_default() -> None:
         "import sys\n"
         "from celery import Celery\n"
         "import celery_ratelimit\n"
-        "from celery_ratelimit._metrics import metrics_for\n"
+        "from celery_ratelimit._celery.metrics import metrics_for\n"
         "app = Celery('x')\n"
         "assert metrics_for(app) is None\n"
         "print('prometheus_client' in sys.modules)\n"

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from celery_ratelimit import AsyncLimiter, Concurrency, InvalidLimit, Limit, Limiter
-from celery_ratelimit._headers import Observation
-from celery_ratelimit._ops import Seen, format_settings, key_settings
+from celery_ratelimit._engine.headers import Observation
+from celery_ratelimit._tools.ops import Seen, format_settings, key_settings
 
 
 def budget(remaining: int, reset: float, limit: int | None = None) -> dict[str, str]:

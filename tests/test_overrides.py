@@ -10,7 +10,7 @@ import time
 import pytest
 
 from celery_ratelimit import InvalidLimit, InvalidRate, Limit, Limiter
-from celery_ratelimit._ops import key_settings
+from celery_ratelimit._tools.ops import key_settings
 
 
 def grants(limiter: Limiter, key: str, limits: object, n: int, cost: int = 1) -> list[bool]:

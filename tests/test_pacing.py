@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter, ratelimit
-from celery_ratelimit._layout import PACE_FIELD, PACE_MEMBER, parse_key
-from celery_ratelimit._ops import key_status, pace_in
+from celery_ratelimit._engine.layout import PACE_FIELD, PACE_MEMBER, parse_key
+from celery_ratelimit._tools.ops import key_status, pace_in
 from tests.log_reader import max_in_window, us, weight_after
 from tests.test_limiter_properties import against_redis, uses_abandoned_room
 
@@ -162,7 +162,7 @@ def test_a_bad_burst_is_refused_at_declaration(kwargs: dict[str, object], match:
 
 
 def test_burst_none_sends_what_an_unpaced_call_always_sent() -> None:
-    from celery_ratelimit._scripts import shape
+    from celery_ratelimit._engine.scripts import shape
 
     plain = shape((Limit("10/s"),), 1)
     assert "#pace" not in plain.arguments()
@@ -224,8 +224,8 @@ def test_copies_that_come_late_never_bunch_their_starts(limiter: Limiter) -> Non
 
 
 def test_status_shows_when_a_paced_limits_next_unit_conforms() -> None:
-    from celery_ratelimit._layout import KeyName
-    from celery_ratelimit._ops import KeyStatus, format_status
+    from celery_ratelimit._engine.layout import KeyName
+    from celery_ratelimit._tools.ops import KeyStatus, format_status
 
     paced = Limit("20/2s", key="api", burst=2)
     name = KeyName("ratelimit:{api}:log:2000000", "api", "log", 2_000_000)
@@ -236,9 +236,9 @@ def test_status_shows_when_a_paced_limits_next_unit_conforms() -> None:
 
 
 def test_explain_shows_a_paced_limits_pace() -> None:
-    from celery_ratelimit._explain import Explanation, LimitExplanation, format_explanation
-    from celery_ratelimit._layout import KeyName
-    from celery_ratelimit._ops import KeyStatus
+    from celery_ratelimit._engine.layout import KeyName
+    from celery_ratelimit._tools.explain import Explanation, LimitExplanation, format_explanation
+    from celery_ratelimit._tools.ops import KeyStatus
 
     paced = Limit("20/2s", key="api", burst=2)
     state = KeyStatus(KeyName("k", "api", "log", 2_000_000), used=2, remaining=18, next_free=0.0)
@@ -252,7 +252,7 @@ def test_explain_shows_a_paced_limits_pace() -> None:
 
 def test_the_demo_report_shows_the_most_starts_in_an_interval_when_paced() -> None:
     from celery_ratelimit import Rate
-    from celery_ratelimit._demo import Report, ideal_drain
+    from celery_ratelimit._tools.demo import Report, ideal_drain
 
     rate = Rate.parse("20/2s")
     runs = [(0, 0, 0), (1_000, 0, 0), (100_000, 100_000, 1), (200_000, 200_000, 1)]

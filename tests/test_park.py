@@ -21,10 +21,11 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, _park, install
-from celery_ratelimit._embedded import RedisServer
-from celery_ratelimit._park import move_once, park, park_calls, park_keys
-from celery_ratelimit._settings import limiter_for, park_after, park_undecided
+from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, install
+from celery_ratelimit._celery import park as _park
+from celery_ratelimit._celery.park import move_once, park, park_calls, park_keys
+from celery_ratelimit._celery.settings import limiter_for, park_after, park_undecided
+from celery_ratelimit._tools.embedded import RedisServer
 
 BROKER_DB = 5
 

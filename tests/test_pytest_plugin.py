@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from celery_ratelimit import Limit, Limiter
-from celery_ratelimit._embedded import SERVER_ENV
+from celery_ratelimit._tools.embedded import SERVER_ENV
 from celery_ratelimit_pytest import URL_ENV, ServerClock
 from tests.redis_server import RedisServer, free_port
 

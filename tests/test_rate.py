@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_ratelimit import InvalidRate, Rate
-from celery_ratelimit._rate import MAX_LIMIT
+from celery_ratelimit._engine.rate import MAX_LIMIT
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from celery_ratelimit import Limiter, LimiterMisconfigured
-from celery_ratelimit._failures import version_error
+from celery_ratelimit._engine.failures import version_error
 from tests.fault_nodes import Fleet, unique_prefix
 from tests.nodes import rabbitmq_reachable
 from tests.redis_server import RedisServer, free_port

@@ -24,8 +24,8 @@ from celery.canvas import StampingVisitor
 from celery.contrib.testing.worker import start_worker
 
 from celery_ratelimit import Concurrency, Decision, Limit, install
-from celery_ratelimit._check import DECISION_ATTR
-from celery_ratelimit._slots import SLOT_ATTR
+from celery_ratelimit._celery.check import DECISION_ATTR
+from celery_ratelimit._celery.slots import SLOT_ATTR
 from tests.redis_server import RedisServer
 
 

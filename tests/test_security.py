@@ -28,14 +28,14 @@ from celery_ratelimit import (
     LimiterUnavailable,
     Rate,
     RateLimitedTask,
-    _failures,
     install,
     ratelimit,
 )
-from celery_ratelimit._keys import MAX_KEY, escape_key, hash_tag, render
-from celery_ratelimit._layout import redis_key
-from celery_ratelimit._scripts import source
-from celery_ratelimit._settings import check_app_settings
+from celery_ratelimit._celery.settings import check_app_settings
+from celery_ratelimit._engine import failures as _failures
+from celery_ratelimit._engine.keys import MAX_KEY, escape_key, hash_tag, render
+from celery_ratelimit._engine.layout import redis_key
+from celery_ratelimit._engine.scripts import source
 from tests.calls import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP, decide
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter
-from celery_ratelimit._decision import token_bytes_of
-from celery_ratelimit._layout import redis_key
+from celery_ratelimit._engine.decision import token_bytes_of
+from celery_ratelimit._engine.layout import redis_key
 from tests.log_reader import entries, server_us, total, us
 
 

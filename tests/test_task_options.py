@@ -23,15 +23,15 @@ from celery_ratelimit import (
     Limiter,
     Rate,
     RateLimitedTask,
-    _compat,
     install,
     ratelimit,
 )
-from celery_ratelimit._decision import Decision
-from celery_ratelimit._install import Rules, rule_warnings
-from celery_ratelimit._plan import plan_for
-from celery_ratelimit._settings import DEFAULTS, setting
-from celery_ratelimit._task import DECISION_ATTR, enforce
+from celery_ratelimit._celery import compat as _compat
+from celery_ratelimit._celery.install import Rules, rule_warnings
+from celery_ratelimit._celery.plan import plan_for
+from celery_ratelimit._celery.settings import DEFAULTS, setting
+from celery_ratelimit._celery.task import DECISION_ATTR, enforce
+from celery_ratelimit._engine.decision import Decision
 
 
 @pytest.fixture

@@ -1,0 +1,134 @@
+"""The concurrency slots held by this process's running task bodies.
+
+A body's slot (see ``Concurrency`` and ``lua/lib/concurrency.lua``) is taken by the decision that
+lets it run. While the body runs, a thread of this process renews its lease every third
+of it; when the body ends, on every exit the tracer reports (success, an exception,
+``Retry``, ``Reject``, ``Ignore``, a soft time limit), the ``task_postrun`` handler
+releases it. A body started on a turn handed over to it (``Check.handed``) holds its
+slot on a short lease at first: its first renewal comes before that lease runs out
+(``due``). A body that cannot end normally (its process killed by a hard time limit,
+``revoke(terminate=True)``, a lost node) stops being renewed: its slot comes back when
+its lease runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import signals
+
+from .._engine.limiter import Limiter
+from .beside import attach
+
+logger = logging.getLogger("celery_ratelimit")
+
+#: Request attribute holding the running body's slot (not a ``ratelimit_`` header),
+#: kept beside the request like the Decision (see ``beside``).
+SLOT_ATTR = "_ratelimit_slot"
+attach(SLOT_ATTR)
+
+
+@dataclass
+class Held:
+    """One body's slots: released by :func:`release`, renewed until then."""
+
+    limiter: Limiter
+    keys: tuple[str, ...]  # escaped, one per concurrency limit
+    limits: tuple[Any, ...]  # the call's Concurrency limits
+    token: str  # the call's token without its costs (these limits count none)
+    lease: float
+    renewed: float = field(default_factory=time.monotonic)
+    #: time.monotonic() by which the first renewal is due (a handed turn's short lease)
+    due: float | None = None
+
+    def renew(self) -> None:
+        if not self.limiter.renew(self.token, self.keys, self.limits, lease=self.lease):
+            logger.warning(
+                "ratelimit: the concurrency slot of a running body was lost (its lease of "
+                "%gs ran out before it was renewed: was this process stalled?); another "
+                "body may have taken it",
+                self.lease,
+            )
+        self.renewed = time.monotonic()
+        self.due = None
+
+    def renew_now(self, at: float) -> bool:
+        """True if the lease should be renewed at ``at`` (time.monotonic())."""
+        return at - self.renewed >= self.lease / 3 or (self.due is not None and at >= self.due)
+
+
+_held: dict[str, Held] = {}
+_lock = threading.Lock()
+_renewer_pid: int | None = None
+#: Wakes the renewer for a slot whose first renewal is due sooner than its next tick.
+_wake = threading.Event()
+
+
+def hold(request: Any, held: Held) -> None:
+    """Note that the body of ``request`` holds ``held`` until it ends."""
+    setattr(request, SLOT_ATTR, held)
+    with _lock:
+        _held[held.token] = held
+    _start_renewer()
+    if held.due is not None:
+        _wake.set()
+
+
+def release(request: Any) -> None:
+    """Give back the slot the body of ``request`` holds, if any (at most once)."""
+    held = getattr(request, SLOT_ATTR, None)
+    if held is None:
+        return
+    setattr(request, SLOT_ATTR, None)
+    with _lock:
+        _held.pop(held.token, None)
+    try:
+        held.limiter.release(held.token, held.keys, held.limits)
+    except Exception as exc:  # the slot comes back when its lease runs out
+        logger.warning(
+            "ratelimit: could not release a concurrency slot (%s); it comes back when "
+            "its lease of %gs runs out",
+            exc,
+            held.lease,
+        )
+
+
+def _start_renewer() -> None:
+    global _renewer_pid
+    with _lock:
+        if _renewer_pid == os.getpid():
+            return
+        _renewer_pid = os.getpid()  # a forked pool process starts its own
+    threading.Thread(target=_renew_forever, name="ratelimit-lease", daemon=True).start()
+
+
+def _renew_forever() -> None:
+    while True:
+        with _lock:
+            held = list(_held.values())
+        now = time.monotonic()
+        tick = min(
+            [1.0, *(one.lease / 4 for one in held), *(one.due - now for one in held if one.due)]
+        )
+        _wake.wait(max(tick, 0.05))
+        _wake.clear()
+        now = time.monotonic()
+        for one in held:
+            if one.renew_now(now) and one.token in _held:
+                try:
+                    one.renew()
+                except Exception as exc:  # Redis away: the next tick tries again
+                    logger.debug("ratelimit: could not renew a concurrency slot: %s", exc)
+
+
+def _release_after_body(task: Any = None, **_: Any) -> None:
+    if task is not None:
+        release(task.request)
+
+
+signals.task_postrun.connect(_release_after_body, weak=False)

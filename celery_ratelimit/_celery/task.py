@@ -1,0 +1,359 @@
+"""RateLimitedTask: before_start -> one limiter call -> run, or defer without losing the task.
+
+The check runs in ``Task.before_start``. Celery (>= 5.2) calls it inside the same
+``try`` that handles ``Retry``, ``Ignore`` and ``Reject``, so raising ``Retry`` there
+ends this execution cleanly (state ``RETRY``) and the body never runs. A
+``task_prerun`` signal handler could not do this: its exceptions are logged and
+swallowed.
+
+A denied call is published again as the same task (same id, args, kwargs, links,
+chain, chord, group, queue, priority, expires) for the limiter's retry-after (an
+``eta`` in Redis time, which the receiving worker moves to its own clock: see
+``clock``), ``retries`` unchanged, and headers: ``ratelimit_deferrals`` (how many
+times this task was deferred), ``ratelimit_denials`` (how many of those it could not
+get budget: denied while it held no slot, or Redis unreachable;
+``ratelimit_max_deferrals`` counts these) and
+``ratelimit_token`` (its reserved slot, if any).
+A third, ``ratelimit_retries``, tells a user's ``self.retry()`` of a deferred task (which
+copies every header) from a deferral: the retry counts its own deferrals afresh.
+The copy is published *before* the original message is acknowledged: a crash in
+between can duplicate a message, never lose one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Task, signals
+from celery.exceptions import Retry
+
+from .._engine.decision import Decision, token_bytes_of
+from .._engine.exceptions import (
+    InvalidLimit,
+    LimiterMisconfigured,
+    LimiterUnavailable,
+)
+from .._engine.headers import Observation
+from .._engine.keys import escape_key
+from .._engine.limit import Concurrency, describe, to_limits
+from .._engine.upstream import UpstreamRateLimited
+from .check import (
+    DECISION_ATTR,
+    DEFERRALS_HEADER,
+    DENIALS_HEADER,
+    HANDOFF_EARLY,
+    HANDOFF_WAIT,
+    MAX_IN_PROCESS_WAIT,
+    MAX_RESTAMPS,
+    RETRIES_HEADER,
+    TOKEN_HEADER,
+    Check,
+)
+from .plan import check_key_fields, plan_for
+from .settings import limiter_for
+from .slots import release
+
+logger = logging.getLogger("celery_ratelimit")
+
+#: A task waits in-process at most this many times in a row for a turn moments away
+#: (each at most MAX_IN_PROCESS_WAIT), then is published again.
+MAX_WAITS = 5
+
+
+def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Return if the task may run now; else publish it again for later and raise
+    ``Retry`` (which ends this execution in state ``RETRY``).
+
+    Raises:
+        Retry: the task was deferred.
+        RateLimitExceeded: deferred for want of budget (denied while holding no slot,
+            or Redis unreachable) more than ``ratelimit_max_deferrals`` times.
+        InvalidLimit: the call's key or cost cannot be worked out (the task fails).
+        LimiterUnavailable: Redis is down and the policy is ``"raise"``.
+        LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
+    """
+    request = task.request
+    if request.is_eager or request.called_directly:
+        return
+    plan = plan_for(task)
+    if plan is None:
+        return
+    check = Check(task, plan, tuple(args), kwargs)
+    token = _token_header(task, request)
+    restamp = False
+    waits = 0
+    if token is not None and check.handed(token, HANDOFF_WAIT):
+        return  # its turn was handed over to it (the copy of a waiting call)
+    while True:
+        try:
+            decision = check.decide(token, restamp)
+        except LimiterMisconfigured as exc:
+            check.report_misconfigured(exc)
+            raise
+        except LimiterUnavailable as exc:
+            countdown = check.on_unavailable(exc)  # raises under the policy "raise"
+            if countdown is None:  # "allow"
+                return
+            # counted like a denial: a Redis down for good must not defer it forever
+            token = check.defer(countdown, None, f"Redis error: {exc}", denial=True)
+            restamp = False
+            continue
+        if decision.allowed:
+            late = check.start(decision)
+            if not late:
+                return
+            # read too late to start on: start it anew where it really starts, or, after
+            # MAX_RESTAMPS of those in a row, publish it again for a calmer moment
+            restamp = check.restamps < MAX_RESTAMPS
+            token = decision.token
+            if not restamp:
+                check.give_back(token)  # its concurrency slots
+                token = check.defer(
+                    min(late, check.max_countdown),
+                    None,
+                    f"its grant was read {late * 1000:.0f} ms late {MAX_RESTAMPS + 1} times "
+                    "in a row (this worker is too busy to start it on time)",
+                )
+            continue
+        restamp = False
+        # a turn moments away (a concurrency slot about to be free): wait for it here,
+        # for a call that may be handed its turn as long as it blocks for it
+        nearby = HANDOFF_WAIT if check.handy else MAX_IN_PROCESS_WAIT
+        if decision.reserved and decision.retry_after <= nearby and waits < MAX_WAITS:
+            waits += 1
+            token = decision.token
+            if not check.handy:
+                time.sleep(decision.retry_after)
+            elif token is not None and check.handed(token, decision.retry_after + HANDOFF_WAIT):
+                return
+            continue
+        why, reason = _why(decision, plan.limits)
+        countdown = decision.retry_after
+        if check.handy and decision.reserved:
+            # its copy comes a little early and blocks for its turn (Check.handed): the
+            # slot handed over does not idle while the copy is on its way
+            countdown = max(countdown - HANDOFF_EARLY, 0.0)
+        token = check.defer(
+            min(countdown, check.max_countdown),
+            decision.token if decision.reserved else None,
+            reason,
+            denied_by=decision.limit,
+            denial=check.competing,
+            why=why,
+        )
+
+
+def _why(decision: Decision, limits: tuple[Any, ...]) -> tuple[str, str]:
+    """What held a call back: the event's ``why`` and the log's words."""
+    limit = decision.limit
+    if decision.paused:
+        return "paused", "its key is paused (an upstream answered 429)"
+    if isinstance(limit, Concurrency):
+        return "concurrency", f"waiting for a slot of {limit.label}"
+    return "limit", f"rate limited by {limit.label if limit else describe(limits)}"
+
+
+def call_body(task: Any, body: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``body``; if it raises ``UpstreamRateLimited``, pause the task's keys and
+    publish the task again after the pause (:func:`after_upstream`)."""
+    while True:
+        try:
+            return body(*args, **kwargs)
+        except UpstreamRateLimited as exc:
+            if not after_upstream(task, exc, args, kwargs):
+                raise
+            # the copy could not be published and this process waited out the pause
+            # instead: check the limits again, then run the body again
+            enforce(task, args, kwargs)
+
+
+def after_upstream(
+    task: Any, exc: UpstreamRateLimited, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> bool:
+    """Pause the keys ``exc`` names (the task's limit keys by default) on every worker
+    for its retry-after, give back this body's concurrency slots, and publish the task
+    again on a slot reserved past the pause, its retries untouched.
+
+    Returns False when there is nothing to defer (an eager call, a task without
+    limits): the exception is the caller's. True when the copy could not be published
+    and this process waited instead (see ``Check.defer``).
+
+    Raises:
+        Retry: published (the usual end).
+        Reject: the publish failed and the task is ``acks_late``.
+    """
+    request = task.request
+    plan = plan_for(task)
+    if request.is_eager or request.called_directly or plan is None:
+        return False
+    check = Check(task, plan, tuple(args), kwargs)
+    keys = [escape_key(exc.key)] if exc.key else list(check.keys)
+    try:
+        if exc.key:
+            check.limiter.pause_keys(keys, exc.seconds)
+        else:  # the pause and, for adapt=True limits, a cut of the rate: one call
+            granted = getattr(request, DECISION_ATTR, None)
+            since = granted.at if granted is not None and granted.token else None
+            check.limiter.observed(keys, Observation(exc.seconds), check.limits, since=since)
+    except (LimiterUnavailable, LimiterMisconfigured) as error:
+        logger.warning(
+            "ratelimit: %s[%s]: could not pause %s (%s); deferring the task only",
+            task.name,
+            request.id,
+            ", ".join(keys),
+            error,
+        )
+    if check.metrics is not None:
+        check.metrics.pause(plan.limits)
+    release(request)
+    reason = f"upstream rate limited: {', '.join(keys)} paused for {exc.seconds:g}s"
+    try:
+        decision = check.decide(None, reserve=True)
+    except (LimiterUnavailable, LimiterMisconfigured):
+        decision = None
+    if decision is not None and decision.reserved:
+        countdown, token = decision.retry_after, decision.token
+    else:
+        if decision is not None and decision.allowed:
+            check.give_back(decision.token)
+        countdown, token = exc.seconds, None
+    check.defer(min(countdown, check.max_countdown), token, reason, why="upstream")
+    return True
+
+
+def _token_header(task: Any, request: Any) -> str | None:
+    """The message's reservation token; one the limiter did not write is no token (the
+    task competes afresh), and a user's ``self.retry()`` of a deferred task starts
+    afresh too: its copy carries the headers of the execution it retries."""
+    if getattr(request, RETRIES_HEADER, request.retries) != request.retries:
+        setattr(request, DEFERRALS_HEADER, 0)
+        setattr(request, DENIALS_HEADER, 0)
+        setattr(request, TOKEN_HEADER, None)
+    token = getattr(request, TOKEN_HEADER, None) or None
+    if token is None:
+        return None
+    try:
+        token_bytes_of(token)
+    except InvalidLimit as exc:
+        logger.warning("ratelimit: %s[%s]: %s; competing without it", task.name, request.id, exc)
+        return None
+    return str(token)
+
+
+class RateLimitedTask(Task):  # type: ignore[misc]
+    """A Celery task whose executions share one rate limit across every worker node.
+
+    Options (as ``@app.task(base=RateLimitedTask, ...)`` keywords or class attributes):
+
+    - ``ratelimit``: a rate string (``"10/s"``), a :class:`Limit`, a
+      :class:`Concurrency`, or a list of them (checked all or nothing). Keys are
+      templates formatted from the call's arguments (``Limit("100/m",
+      key="api:{tenant}")``); the default key is the task name.
+    - ``ratelimit_max_countdown``, ``ratelimit_max_deferrals``, ``ratelimit_reserve``,
+      ``ratelimit_on_redis_error``: override the ``app.conf`` settings for this task.
+
+    Example::
+
+        @app.task(base=RateLimitedTask, ratelimit=Limit("100/m", key="yt:quota:{api_key}"))
+        def fetch(api_key, region): ...
+    """
+
+    ratelimit: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery builds one subclass per @app.task: validate the option right there,
+        # so a bad rate fails when the task is declared, not when it first runs.
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("ratelimit")
+        if spec is not None:
+            cls.ratelimit = to_limits(
+                spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
+            )
+            check_key_fields(cls, cls.ratelimit)
+
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Check the shared limit before the body runs; defer (``Retry``) if denied."""
+        try:
+            enforce(self, args, kwargs)
+        except Retry as exc:
+            # raised again with a fresh traceback: Celery's pool copies every frame of a
+            # Retry's traceback (each frame's code positions, 600-700 for enforce and
+            # Check.defer each), formats it and pickles it to the node's main process;
+            # the frames below this one cost 2-3 ms of CPU a deferral (docs/benchmarks.md)
+            raise exc.with_traceback(None) from None
+        super().before_start(task_id, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body; an ``UpstreamRateLimited`` it raises pauses the task's keys
+        and defers the task past the pause (``Retry``)."""
+        return call_body(self, super().__call__, args, kwargs)
+
+
+def wrap_before_start(cls: Any) -> None:
+    """Make a plain task class enforce its ``ratelimit`` in ``before_start`` (its key
+    templates checked against the task's signature first).
+
+    Used by the ``ratelimit`` decorator and by ``install``: the method is set on the
+    task's own class (Celery looks it up there when it builds the task's tracer); an
+    existing ``before_start`` still runs, after the check.
+    """
+    check_key_fields(cls, to_limits(cls.ratelimit))
+    if issubclass(cls, RateLimitedTask) or cls.__dict__.get("_ratelimit_wrapped"):
+        return
+    original = cls.before_start
+
+    def before_start(
+        self: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        try:
+            enforce(self, args, kwargs)
+        except Retry as exc:
+            raise exc.with_traceback(None) from None  # see RateLimitedTask.before_start
+        original(self, task_id, args, kwargs)
+
+    before_start.__doc__ = RateLimitedTask.before_start.__doc__
+    cls.before_start = before_start
+    own = cls.__dict__.get("__call__")
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Task.__call__ looked up at call time: a worker replaces it with one that
+        # keeps the request it pushed (celery.app.trace._install_stack_protection)
+        body = own.__get__(self) if own is not None else super(cls, self).__call__
+        return call_body(self, body, args, kwargs)
+
+    __call__.__doc__ = RateLimitedTask.__call__.__doc__
+    cls.__call__ = __call__
+    cls._ratelimit_wrapped = True
+
+
+def _release_on_revoke(request: Any = None, **_: Any) -> None:
+    """A revoked or expired task gives its reserved slot back (if it had one)."""
+    headers = getattr(request, "request_dict", None) or {}
+    token = headers.get(TOKEN_HEADER)
+    task = getattr(request, "task", None)
+    if not token or task is None:
+        return
+    try:
+        plan = plan_for(task)
+        if plan is None:
+            return
+        keys, costs, limits = plan.resolve(tuple(request.args or ()), request.kwargs or {})
+        limiter = limiter_for(task.app)
+        limiter.release(token, keys, limits, costs)
+    except Exception as exc:  # a slot that cannot be released only wastes budget
+        logger.debug("ratelimit: could not release the slot of %s: %s", request.id, exc)
+
+
+__all__ = [
+    "DECISION_ATTR",
+    "DEFERRALS_HEADER",
+    "TOKEN_HEADER",
+    "Decision",
+    "RateLimitedTask",
+    "enforce",
+]
+
+signals.task_revoked.connect(_release_on_revoke, weak=False)

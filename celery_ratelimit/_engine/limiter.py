@@ -1,0 +1,487 @@
+"""Limiter: a Redis client plus the Lua scripts, answering with a :class:`Decision`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
+from .client import HeldConnection, client_from_url
+from .decision import Decision, parse_token
+from .exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
+from .failures import check_versions, not_redis_error, translate
+from .headers import Observation, parse
+from .layout import handoff_list, keys_of, stored_with
+from .limit import Concurrency, LimitSpec, to_limits
+from .rate import Rate
+from .scripts import DEFAULT_HORIZON, shape
+
+#: Client defaults: a hung or refused Redis costs a task at most about this long.
+DEFAULT_SOCKET_TIMEOUT = 2.0
+DEFAULT_CONNECT_TIMEOUT = 2.0
+
+Client = Any  # redis.Redis or redis.cluster.RedisCluster
+#: What a redis-py client raises (its Cluster client's own errors are no RedisError).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+class Limiter(LimiterBase):
+    """Shared rate limits kept in Redis, decided atomically by one Lua script per call.
+
+    Args:
+        client: a ``redis.Redis`` (or ``RedisCluster``) client. Replies are read as
+            integers, so ``decode_responses`` does not matter.
+        prefix: first part of every key (``ratelimit`` by default), for ACLs and scans.
+
+    Example::
+
+        limiter = Limiter.from_url("redis://localhost:6379/0")
+        d = limiter.acquire("yt:quota:key1", [Limit("9500/d"), Limit("100/m")], cost=100)
+        if not d.allowed:
+            time.sleep(d.retry_after)
+    """
+
+    def __init__(self, client: Client, *, prefix: str = DEFAULT_PREFIX) -> None:
+        super().__init__(client, prefix=prefix)
+        held = HeldConnection.for_client(client)
+        # the script's EVALSHA: on a connection held for it when the client allows
+        self._send = held.call if held is not None else client.execute_command
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        socket_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        **client_options: Any,
+    ) -> Limiter:
+        """A limiter on a new client for ``url``.
+
+        ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://h:p,h:p/master/db``
+        or ``redis+cluster://h:p,h:p`` (see ``client``). Timeouts are bounded by default
+        so that a hung Redis never hangs a worker; one retry (no backoff) absorbs a
+        pooled connection that a Redis restart closed. Extra keyword arguments go to
+        the redis-py client.
+        """
+        client = client_from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            **client_options,
+        )
+        return cls(client, prefix=prefix)
+
+    # -- public API -----------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        reserve: bool = False,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
+        lead: float = 0.0,
+    ) -> Decision:
+        """Count ``cost`` against every limit for ``key`` now, if all of them allow it.
+
+        All or nothing: a denial by one limit consumes nothing from the others.
+
+        Args:
+            key: what shares the budget (``"yt:quota:key1"``); a limit with a plain
+                string ``key`` of its own uses that instead. Or escaped keys, one per
+                limit (as the Celery layer resolves them).
+            limits: a rate string, a :class:`Limit` or a list of them.
+            cost: weight of this call, a positive int no greater than any limit (or one
+                per limit).
+            reserve: when denied, reserve the earliest future slot at which the cost
+                fits (``Decision.reserved``), unless it lies beyond ``horizon`` seconds
+                (more than 0, at most a year). The counter algorithm reserves nothing.
+            guard, hold: seconds; the options the Celery layer runs with
+                (``ratelimit_guard``, and the longest wait it makes in-process): see
+                docs/design.md. ``lease``: seconds a concurrency slot is held when its
+                limit gives no lease.
+            fair, fair_weight: for a Limit with a ``fair_key``, the call's value of it
+                (its plain ``fair_key`` when not given) and its weight (the Limit's
+                when not given): a reservation takes its place among the waiting calls
+                by weighted fair shares (docs/design.md, "Fair shares").
+            lead: seconds after now at which a grant is counted, for a body whose
+                first request is expected that much after its start (the Celery layer
+                on gevent and eventlet: docs/design.md, "A cold start on a green pool").
+
+        Raises:
+            InvalidLimit / InvalidRate / TypeError: bad limits or cost.
+            LimiterUnavailable: Redis could not be reached (for now).
+            LimiterMisconfigured: Redis refuses the limiter (a permission, a password,
+                its version): the message names the fix.
+        """
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
+        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
+        how = "reserve" if reserve else "now"
+        return self._decide(self._acquire_call(key, call, how, fair=fairly))
+
+    def peek(
+        self,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        guard: float = 0.0,
+        redis_keys: list[str] | None = None,
+    ) -> Decision:
+        """What :meth:`acquire` would answer now, without counting anything.
+        ``redis_keys``: the limits' Redis keys as found by a scan (``key`` is then
+        ignored)."""
+        call = shape(to_limits(limits), cost, guard=guard)
+        return self._decide(self._acquire_call(key, call, "peek", redis_keys))
+
+    def confirm(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
+    ) -> Decision:
+        """Start the call holding the reservation ``token`` (from ``acquire(...,
+        reserve=True)``).
+
+        Allowed if its slot has come; ``reserved`` with the time left if not yet; if the
+        reservation is gone (Redis restarted, key reset), competes again as ``acquire``
+        with ``reserve=True``, as it does when a call already started on it (a message
+        delivered twice).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote, or a bad horizon.
+        """
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        started = self._start_call(token, key, call, reserved=True)
+        decision = self._decision(started, self._script_reply(started))
+        if decision is None:
+            fairly = self.fair_of(key, call.limits, fair, fair_weight)
+            return self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
+        return decision
+
+    def restamp(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+        *,
+        horizon: float = DEFAULT_HORIZON,
+        guard: float = 0.0,
+        hold: float = 0.0,
+        lease: float | None = None,
+    ) -> Decision:
+        """Start anew the call ``token`` that :meth:`acquire` granted, whose reply was read
+        too late to start on (a busy event loop, a descheduled process): its entry moves
+        to where it really starts, as a late reservation's does (see docs/design.md).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
+        return self._decide(self._start_call(token, key, call, reserved=False))
+
+    def release(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+    ) -> None:
+        """Give back a reservation that will not be used (a revoked or expired task),
+        and the concurrency slots (or turns in line) of ``token``: its body has ended.
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        self._script_reply(self._release_call(token, key, limits, cost))
+
+    def settle(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int],
+    ) -> Decision:
+        """Replace the cost counted for the call ``token`` (a granted or reserved
+        :class:`Decision`'s) with its real one, known after the call: an LLM call's
+        tokens, a quota charged for a failed request. What the call was counted at, the
+        token says.
+
+        A refund (less than it was) frees budget at once; a surcharge may put a window
+        over its limit, which the next calls wait out (the settled call itself is never
+        undone). The entry keeps its instant; where it has already left its window
+        there is nothing to change. The counter (``algorithm="counter"``) keeps no
+        entries: the difference is counted in its current window if the call was.
+
+        Args:
+            token, key, limits: as given to (and returned by) :meth:`acquire`.
+            cost: the real cost, an int of 0 or more (it may exceed a limit), or one
+                per limit.
+
+        Returns:
+            A Decision: ``allowed`` when the call's entry was found and changed, with
+            the ``remaining`` weight after it, and the token to settle it again by.
+
+        Raises:
+            InvalidLimit / TypeError: a bad token or cost.
+        """
+        return self._decide(self._settle_call(token, key, limits, cost))
+
+    def handed(
+        self, token: str, key: str | Sequence[str], limits: LimitSpec, timeout: float
+    ) -> float | None:
+        """Wait up to ``timeout`` seconds (at most 1) for the turn of the waiting call
+        ``token``, whose only limit is one ``Concurrency``, to be handed over to it
+        (``lua/lib/concurrency.lua``): when a body ends, its slot goes to the first waiter
+        in line. Returns when the handed slot's lease runs out (Redis time, seconds since
+        the epoch): the slot is the call's, its body may start now (renew the lease to
+        keep it longer); or None: no turn came (confirm the reservation as usual).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote, or the limits are
+                not one ``Concurrency``.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        normalized = to_limits(limits)
+        if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
+            raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
+        name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
+        # blocked within the client's socket timeout, which would take it for a hung Redis
+        pool = getattr(self.client, "connection_pool", None)
+        socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 2.0
+        timeout = min(max(timeout, 0.01), 1.0, socket_timeout / 2)
+        try:
+            popped = self.client.blpop([name], timeout=timeout)
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "waiting for a handed turn") from exc
+        return None if popped is None else int(popped[1]) / 1_000_000
+
+    def renew(
+        self,
+        token: str,
+        key: str | tuple[str, ...],
+        limits: LimitSpec,
+        *,
+        lease: float | None = None,
+    ) -> bool:
+        """Extend the leases of the concurrency slots ``token`` holds to ``lease``
+        seconds from now (default: each limit's own, else 300 s). False if a slot was
+        no longer held (its lease had run out: another call may have taken it).
+
+        Raises:
+            InvalidLimit: ``token`` is not a token the limiter wrote.
+        """
+        call = self._renew_call(token, key, limits, lease)
+        return call is None or bool(self._script_reply(call) == 1)
+
+    def pause(self, key: str, seconds: float | str | Any) -> float:
+        """Grant nothing on ``key`` (every limit and concurrency limit of it) for
+        ``seconds`` on every worker: an upstream answered 429. A number of seconds, a
+        ``Retry-After`` value (seconds or an HTTP-date) or a datetime. Calls are then
+        answered denied, or placed past the pause, with ``retry_after`` = the time left.
+        A longer pause already in place stays. Returns the seconds the key is paused for.
+
+        Raises:
+            InvalidLimit: a bad key or ``seconds``.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        call = self._pause_call(key, seconds)
+        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
+
+    def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
+        """:meth:`pause` for keys already escaped (one script call for all of them)."""
+        call = self._pause_keys_call(escaped, seconds)
+        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
+
+    def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
+        """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
+        the rate its calls give: for the key's rate limit of the same window, or for its
+        only one whatever its window. ``ttl``: seconds until the override lapses (None:
+        until removed). ``override(key, None)`` removes it. Read by the same script call
+        that decides; what was counted stays counted. A call whose cost is above the
+        new limit counts as the whole limit (it runs alone in its window).
+
+        Raises:
+            InvalidRate, InvalidLimit: a bad rate, key or ``ttl``, naming it.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        self._script_reply(self._override_call(key, rate, ttl))
+
+    def override_keys(
+        self, escaped: Sequence[str], rate: str | Rate | None, *, ttl: float | None = None
+    ) -> None:
+        """:meth:`override` for keys already escaped (as ``status`` lists them, a
+        templated key's hash tag marked: see ``keys``), one script call each."""
+        for key in escaped:
+            self._script_reply(self._override_call(key, rate, ttl, escaped=True))
+
+    def observe(
+        self,
+        key: str | Sequence[str],
+        headers: Any,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """Bring ``key``'s shared budget in line with what the upstream's response
+        ``headers`` say (one script call; the decisions read it with no extra round trip).
+
+        ``Retry-After`` pauses the key as :meth:`pause` does. When the upstream says r
+        units remain until its reset, no worker is granted more than r before then; a
+        quota it states (``X-RateLimit-Limit``, the IETF policy, ``x-ratelimit-limit-*``)
+        lowers the limit to it while it is said again, for an hour past its reset (a quota
+        of another window, as the IETF policy's ``w`` tells, changes only the budget). A
+        limit counted in calls (cost 1) takes the budget in requests, a limit that weighs
+        its calls (another cost, a cost function) the budget in tokens
+        (``x-ratelimit-*-tokens``). Headers it does not understand change nothing (one
+        DEBUG line).
+
+        Args:
+            key, limits: as given to :meth:`acquire` for the call that got this answer.
+            headers: a dict, a list of (name, value) pairs, or a requests / httpx /
+                urllib response's headers.
+            since: the call's ``Decision.at``: what was granted after it, before the
+                reset, is taken from the budget too (the upstream had not seen those
+                calls yet). None: only what is granted from now on.
+
+        Returns:
+            True when the headers said something the limiter wrote.
+
+        Raises:
+            TypeError: ``headers`` is not headers.
+            InvalidLimit: a bad key or limits.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        return self.observed(key, parse(headers), limits, since=since)
+
+    def observed(
+        self,
+        key: str | Sequence[str],
+        seen: Observation,
+        limits: LimitSpec,
+        *,
+        since: float | None = None,
+    ) -> bool:
+        """:meth:`observe` for headers already read (the Celery layer's
+        ``UpstreamRateLimited`` is an observation of a ``Retry-After``)."""
+        call = self._observe_call(key, seen, limits, since)
+        if call is None:
+            return False
+        self._script_reply(call)
+        return True
+
+    def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
+        """Forget everything counted for ``key`` under ``limits``, or under every window
+        and algorithm of ``key`` when ``limits`` is None (what ``celery ratelimit reset
+        KEY`` does). Returns the Redis keys deleted (their pending sets go with them).
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        try:
+            if limits is None:
+                keys = keys_of(self.client, self.prefix, key)
+            else:
+                keys = self.keys_for(key, limits)
+            deleted = []
+            for k in keys:
+                self.client.delete(*stored_with(k))
+                if self.client.delete(k):
+                    deleted.append(k)
+            return deleted
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a reset") from exc
+
+    def check(self) -> None:
+        """Check that Redis can serve this limiter: reachable, the credentials accepted,
+        version 6.2 or newer (when the user may read ``INFO``), both scripts loaded.
+
+        Run by the first decision of every limiter (so a worker meets a misconfigured
+        Redis at its first task, with one clear error); again after a failure.
+
+        Raises:
+            LimiterMisconfigured: a cause that retrying cannot change, and its fix.
+            LimiterUnavailable: Redis could not be reached (for now).
+        """
+        try:
+            try:
+                info = self.client.info("server")
+            except redis.ResponseError:
+                # a least-privilege user, or a service that renamed INFO: the scripts'
+                # own errors will tell a server too old
+                info = {}
+            check_versions(info)
+            for script in self._scripts.values():
+                self.client.script_load(script.script)
+        except REDIS_ERRORS as exc:
+            error = self.translate(exc, "the limiter's first call")
+            if isinstance(error, LimiterUnavailable) and isinstance(exc, redis.ConnectionError):
+                # a reset or a garbled reply: is that port another service's?
+                pool = getattr(self.client, "connection_pool", None)
+                kwargs = getattr(pool, "connection_kwargs", None)
+                timeout = (kwargs or {}).get("socket_connect_timeout") or 2.0
+                error = not_redis_error(kwargs, timeout) or error
+            raise error from exc
+        self._checked = True
+
+    def run_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """The reply of a script of this limiter's besides the decision (``"park"``).
+
+        Raises:
+            redis.RedisError: as the script's call raised it (see :meth:`translate`).
+        """
+        return self._scripts[name](keys=keys, args=args)
+
+    def translate(self, exc: Exception, doing: str) -> RateLimitError:
+        """The library's exception for a redis-py one (see ``failures``)."""
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        return translate(exc, doing, kwargs.get("username"), self.prefix)
+
+    # -- the calls ------------------------------------------------------------------
+
+    def _decide(self, call: ScriptCall) -> Decision:
+        """The Decision of a decision script's call that starts no reservation."""
+        decision = self._decision(call, self._script_reply(call))
+        if decision is None:  # only a reservation's start may find it spent
+            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
+        return decision
+
+    def _script_reply(self, call: ScriptCall) -> Any:
+        """The script's reply to ``call`` (on the held connection).
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        script = self._scripts[call.script]
+        if not self._checked:
+            with self._check_lock:
+                if not self._checked:  # not checked by the call it waited for
+                    self.check()
+        keys, args = call.keys, call.args
+        try:
+            try:
+                return self._send("EVALSHA", script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                # loads the script, then runs it
+                return script(keys=keys, args=args)
+        except REDIS_ERRORS as exc:
+            raise self.translate(exc, "a rate-limit decision") from exc

@@ -1,0 +1,273 @@
+"""The Lua scripts, read once from the package (or the source tree's ``lua/``), and the
+arguments a decision sends them.
+
+One entry script per operation (``lua/acquire.lua``, ``start.lua``, ``release.lua``,
+...), each opening with its KEYS, ARGV and reply; a decision of a call with
+calendar-aligned or concurrency limits has its own (``acquire_gated.lua``, ...), so that
+a call of sliding rate limits only runs a script holding none of their code. They share
+Lua functions with parameters, kept in ``lua/lib/``: a line ``--- @include
+"lib/log.lua"`` is replaced by that file's text (as BullMQ's scripts do), so that Redis
+runs one script while a reader has files of a readable size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache, cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from .calendar import boundaries, zone_of
+from .exceptions import InvalidLimit
+from .limit import DEFAULT_LEASE, Concurrency, check_cost
+
+#: The decisions that have a second entry script, ``<name>_gated``, for a call with
+#: calendar-aligned or concurrency limits (see :meth:`Shape.script`).
+GATED = ("acquire", "start", "release", "settle", "counter")
+#: The entry scripts, by the name a limiter's calls use.
+NAMES = (
+    *GATED,
+    *(f"{name}_gated" for name in GATED),
+    "acquire_fair",
+    "renew",
+    "pause",
+    "override",
+    "observe",
+    "park",
+)
+_INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)
+#: Longest horizon accepted (seconds): a year, the longest window.
+MAX_HORIZON = 366 * 86_400.0
+#: Reservations are never made further ahead than this by default (seconds).
+DEFAULT_HORIZON = 3600.0
+
+
+@cache
+def source(name: str) -> str:
+    """The script ``lua/<name>.lua``, its ``@include`` lines replaced by those files (and
+    theirs: ``lib/gate.lua`` includes the functions it builds)."""
+    if name not in NAMES:
+        raise KeyError(name)
+    text = _read(f"{name}.lua")
+    while _INCLUDE.search(text):
+        text = _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), text)
+    return text
+
+
+def _read(filename: str) -> str:
+    """A file of ``lua/``: packaged in the wheel, or beside the package in a checkout."""
+    packaged = resources.files("celery_ratelimit").joinpath("lua", *filename.split("/"))
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    return (Path(__file__).resolve().parents[2] / "lua" / filename).read_text(encoding="utf-8")
+
+
+def _us(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a decision sends besides its keys, token and flag (see ``lua/lib/call.lua``):
+    the limits (sliding rate limits, then aligned ones, then concurrency limits), the
+    cost (one for every limit, or one per limit), and the options of the Celery layer,
+    in seconds.
+
+    ``horizon``: nothing is reserved further ahead. ``guard`` (at most 4% of each
+    window is used) widens the windows in which calls are *placed*, while a start is
+    checked in a window only half of it wider: a body that begins up to half of
+    ``guard`` after its recorded start still never puts more than the limit in a window
+    (the Celery layer's ``ratelimit_guard``). ``hold`` (``"log"`` only): a start at most
+    this far ahead is counted for that instant and answered ``allowed`` with
+    ``retry_after`` > 0: the caller waits that long and runs with no second call.
+    ``lease``: a concurrency limit's lease when it gives none (None: ``DEFAULT_LEASE``).
+    ``settling``: the costs are a settle's real ones (0, or above a limit, allowed).
+    ``lead`` (an acquisition only): a grant is counted this long after now, where its
+    body's first request is expected (``green.lead``); 0: now.
+
+    Hashable, so a limiter remembers what it sends for a shape; its arguments are worked
+    out, and checked, once.
+    """
+
+    limits: tuple[Any, ...]
+    cost: int | tuple[int, ...] = 1
+    horizon: float = DEFAULT_HORIZON
+    guard: float = 0.0
+    hold: float = 0.0
+    lease: float | None = None
+    settling: bool = False
+    lead: float = 0.0
+
+    @property
+    def cacheable(self) -> bool:
+        """Only exact ints may be remembered: a bool or a float hashes like an int."""
+        costs = self.cost if type(self.cost) is tuple else (self.cost,)
+        return all(type(one) is int for one in costs)
+
+    @cached_property
+    def costs(self) -> tuple[int, ...]:
+        """One cost per limit.
+
+        Raises:
+            InvalidLimit, TypeError: a bad cost, naming it.
+        """
+        cost, limits = self.cost, self.limits
+        if isinstance(cost, int):
+            costs: tuple[Any, ...] = (cost,) * len(limits)
+        elif isinstance(cost, tuple):
+            costs = cost
+        else:
+            raise TypeError(f"cost must be a positive int or one int per limit, got {cost!r}")
+        if len(costs) != len(limits):
+            raise InvalidLimit(f"got {len(costs)} costs for {len(limits)} limits")
+        for limit, one in zip(limits, costs, strict=True):
+            if isinstance(limit, Concurrency):
+                continue
+            if self.settling:
+                # a real cost known after the call: a refund to 0, or above the limit
+                if isinstance(one, bool) or not isinstance(one, int) or one < 0:
+                    raise InvalidLimit(f"a settled cost must be an int of 0 or more, got {one!r}")
+                continue
+            check_cost(one)
+            if one > limit.fixed_rate.limit:
+                raise InvalidLimit(
+                    f"cost {one} is greater than the limit of {limit.label}: "
+                    "such a call could never run"
+                )
+        return tuple(costs)
+
+    @cached_property
+    def aligned(self) -> tuple[tuple[int, ZoneInfo], ...]:
+        """(window µs, zone) of every calendar-aligned limit, in order."""
+        return tuple(
+            (limit.fixed_rate.window_us, zone_of(limit.align))
+            for limit in self.limits
+            if not isinstance(limit, Concurrency) and limit.align is not None
+        )
+
+    @cached_property
+    def gated(self) -> bool:
+        """Has the call calendar-aligned or concurrency limits? Its decisions then run the
+        ``_gated`` entry scripts, the only ones holding their code."""
+        return bool(self.aligned) or any(isinstance(one, Concurrency) for one in self.limits)
+
+    def script(self, operation: str, fair: bool = False) -> str:
+        """The entry script that decides ``operation`` (one of :data:`GATED`) for this
+        call; ``fair``: an acquire sent with a fair queue (``acquire_fair``, unless
+        gated)."""
+        if self.gated:
+            return f"{operation}_gated"
+        return f"{operation}_fair" if fair else operation
+
+    @cached_property
+    def args(self) -> tuple[int, ...]:
+        """ARGV[3] on of a decision (see ``lua/lib/call.lua``), but for the aligned
+        limits' boundaries, which :meth:`arguments` adds on every call.
+
+        Raises:
+            InvalidLimit, TypeError: a bad cost or horizon, naming it.
+        """
+        horizon = self.horizon
+        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)):
+            raise TypeError(f"horizon must be a number of seconds, got {horizon!r}")
+        if not 0 < horizon <= MAX_HORIZON:
+            raise InvalidLimit(
+                f"horizon must be more than 0 and at most {MAX_HORIZON:g} seconds, got {horizon!r}"
+            )
+        lead = self.lead
+        if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= horizon:
+            raise InvalidLimit(f"lead must be 0 to the horizon, in seconds, got {lead!r}")
+        rates = [
+            (limit, cost)
+            for limit, cost in zip(self.limits, self.costs, strict=True)
+            if not isinstance(limit, Concurrency)
+        ]
+        slots = [limit for limit in self.limits if isinstance(limit, Concurrency)]
+        numbers = [
+            len(rates) - len(self.aligned),
+            len(self.aligned),
+            len(slots),
+            _us(horizon),
+            _us(self.guard),
+            _us(self.hold),
+        ]
+        for limit, cost in rates:
+            numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, cost)
+        return tuple(numbers)
+
+    @cached_property
+    def leases(self) -> tuple[int, ...]:
+        """(most, lease µs) of every concurrency limit."""
+        numbers: list[int] = []
+        for slot in self.limits:
+            if isinstance(slot, Concurrency):
+                numbers += (slot.n, _us(slot.lease or self.lease or DEFAULT_LEASE))
+        return tuple(numbers)
+
+    @cached_property
+    def paces(self) -> tuple[int | str, ...]:
+        """``"#pace"`` and the burst of every sliding limit (0: none) when any is paced
+        (``Limit(burst=...)``, see ``lua/lib/pace.lua``); nothing when none is, so an
+        unpaced call sends what it always did. A fair-key value may follow: escaped,
+        it never holds a ``#``, so it is never taken for the marker."""
+        bursts = [
+            limit.burst or 0
+            for limit in self.limits
+            if not isinstance(limit, Concurrency) and limit.align is None
+        ]
+        return ("#pace", *bursts) if any(bursts) else ()
+
+    def arguments(self) -> list[int | str]:
+        """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
+        machine's clock now, :attr:`leases`, :attr:`paces`, and ``"#lead"`` with the
+        lead when there is one (a call without sends what it always did)."""
+        every: list[int | str] = list(self.args)
+        for window, zone in self.aligned:
+            every += boundaries(window, zone)
+        every += self.leases
+        every += self.paces
+        if self.lead > 0:
+            every += ("#lead", _us(self.lead))
+        return every
+
+
+#: Shapes by their arguments: a call's arguments are worked out and checked once per
+#: shape, so the same limits and options give the same Shape object.
+_SHAPES: dict[tuple[Any, ...], Shape] = {}
+_SHAPES_SIZE = 4096
+
+
+def shape(
+    limits: tuple[Any, ...],
+    cost: int | Sequence[int],
+    horizon: float = DEFAULT_HORIZON,
+    guard: float = 0.0,
+    hold: float = 0.0,
+    lease: float | None = None,
+    settling: bool = False,
+    lead: float = 0.0,
+) -> Shape:
+    """A :class:`Shape` (a sequence of costs made a tuple, so that it hashes), the one
+    made before for the same arguments if it may be remembered."""
+    if isinstance(cost, Sequence) and not isinstance(cost, (str, bytes)):
+        cost = tuple(cost)
+    every = (limits, cost, horizon, guard, hold, lease, settling, lead)
+    costs = cost if type(cost) is tuple else (cost,)
+    if not all(type(one) is int for one in costs):
+        # a bool or a float hashes like an int: never looked up, checked every time
+        return Shape(*every)  # type: ignore[arg-type]
+    try:
+        return _SHAPES[every]
+    except (KeyError, TypeError):
+        pass
+    made = Shape(*every)  # type: ignore[arg-type]
+    if len(_SHAPES) >= _SHAPES_SIZE:
+        _SHAPES.clear()
+    with contextlib.suppress(TypeError):  # unhashable
+        _SHAPES[every] = made
+    return made

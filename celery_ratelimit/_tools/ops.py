@@ -1,0 +1,525 @@
+"""Operations behind both command lines: ``status`` and ``reset KEY`` (``explain TASK``
+is in ``explain``, built on these).
+
+Nothing here writes to Redis (``Limiter.reset`` forgets a key). ``status`` reads the keys as they
+are (the log's sorted sets, the counter's hashes) and asks the scripts in peek mode,
+which count nothing.
+
+A Redis key does not store its limit, only the window (in its name) and what was
+counted. ``status`` shows ``used/limit`` for keys that match a limit known from the
+app (its tasks' ``ratelimit`` options and ``ratelimit_rules``); for any other key, the
+weight used in its window.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .._celery.settings import redis_url, setting
+from .._engine.fair import waiting_by_value
+from .._engine.keys import escape_key, escape_literal, fixed_key
+from .._engine.layout import (
+    COUNTER_FIELDS,
+    EFF_FIELD,
+    ENTRY_FLOOR,
+    PAUSE_FIELD,
+    PENDING,
+    RATE_FIELD,
+    SEEN_FIELD,
+    STARTS,
+    WINDOW_META,
+    KeyName,
+    effective,
+    log_entries,
+    pace_due,
+    parse_key,
+    parse_override,
+    parse_seen,
+    prefix_glob,
+    settings_logical_key,
+)
+from .._engine.limit import AnyLimit, Concurrency, Limit, to_limits
+from .._engine.limiter import REDIS_ERRORS, Limiter
+from .._engine.rate import Rate
+
+#: What an escaped argument value can look like inside a key (see keys.escape_part).
+_VALUE = r"[A-Za-z0-9_.@%#-]+"
+
+
+# -- limits known from the app -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownLimit:
+    """A limit the app declares, and which logical keys it can produce."""
+
+    limit: AnyLimit
+    pattern: re.Pattern[str]
+    source: str
+
+    def matches(self, name: KeyName) -> bool:
+        limit = self.limit
+        window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
+        return (
+            name.algorithm == limit.kind
+            and name.window_us == window
+            and self.pattern.fullmatch(name.key) is not None
+        )
+
+
+def _key_pattern(limit: AnyLimit, task_name: str | None) -> re.Pattern[str] | None:
+    if isinstance(limit, Limit) and callable(limit.rate):
+        return None  # a rate function: which windows it gives cannot be known
+    key = limit.key
+    if key is None:
+        return re.compile(re.escape(escape_key(task_name))) if task_name else None
+    if not isinstance(key, str):
+        return None  # a key function: which keys it makes cannot be known
+    if not limit.fields:
+        return re.compile(re.escape(fixed_key(key)))
+    return re.compile(
+        "".join(
+            re.escape(escape_literal(literal)) + (_VALUE if name is not None else "")
+            for literal, name, *_ in string.Formatter().parse(key)
+        )
+    )
+
+
+def app_tasks(app: Any) -> dict[str, Any]:
+    """The app's tasks, after importing its configured modules (``include``, ``imports``)."""
+    app.loader.import_default_modules()
+    return dict(app.tasks)
+
+
+def task_limits(task: Any) -> tuple[Limit, ...] | None:
+    spec = getattr(task, "ratelimit", None)
+    name = getattr(task, "name", "") or ""
+    if spec is None or name.startswith("celery."):
+        return None
+    return to_limits(spec, f"ratelimit of task {name}")
+
+
+def known_limits(app: Any) -> list[KnownLimit]:
+    """Every limit of the app's tasks, plus the ``ratelimit_rules`` limits with plain keys."""
+    found: list[KnownLimit] = []
+    for name, task in sorted(app_tasks(app).items()):
+        for limit in task_limits(task) or ():
+            pattern = _key_pattern(limit, name)
+            if pattern is not None:
+                found.append(KnownLimit(limit, pattern, name))
+    for rule, spec in setting("ratelimit_rules", app).items():
+        for limit in to_limits(spec, f"ratelimit_rules[{rule!r}]"):
+            pattern = _key_pattern(limit, None)
+            if pattern is not None:
+                found.append(KnownLimit(limit, pattern, f"rule {rule}"))
+    return found
+
+
+def limiter_for_app(app: Any) -> Limiter:
+    return Limiter.from_url(redis_url(app), prefix=setting("ratelimit_key_prefix", app))
+
+
+def guard_for_app(app: Any) -> float:
+    return float(setting("ratelimit_guard", app))
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyStatus:
+    """One Redis key as it is now.
+
+    ``used`` is the weight counted in the window up to now (for the counter, the
+    algorithm's estimate), ``reserved`` the weight of reservations (future entries)
+    and ``reservations`` their number. With a known ``limit``: ``remaining`` (counting
+    reservations) and ``next_free`` (seconds until a call of cost 1 fits, from a peek);
+    ``override``: the key's rate override of this window, in force (``Limiter.override``).
+    ``pace_in``: for a paced limit (``burst=``), seconds until one more unit conforms to
+    its pace (0: now), from the pace the key keeps.
+    ``waiting``: on a fair limit's key, how many calls of each fair-key value wait.
+    """
+
+    name: KeyName
+    used: int
+    reserved: int = 0
+    reservations: int = 0
+    limit: AnyLimit | None = None
+    sources: list[str] = field(default_factory=list)
+    remaining: int | None = None
+    next_free: float | None = None
+    oldest_leaves: float | None = None
+    ttl: float | None = None
+    override: Rate | None = None
+    pace_in: float | None = None
+    waiting: dict[str, int] = field(default_factory=dict)
+
+
+def pace_in(
+    client: Any, name: KeyName, limit: AnyLimit, now: int, rate: Rate | None
+) -> float | None:
+    """Seconds until a unit more conforms to the pace of ``limit`` (at its ``rate``, an
+    override, when given) kept in the key ``name``; None when it is not paced."""
+    if not isinstance(limit, Limit) or limit.burst is None:
+        return None
+    rate = rate or limit.fixed_rate
+    tat = pace_due(client, name)
+    if tat is None:
+        return 0.0
+    interval = -(-rate.window_us // rate.limit)
+    due = tat - (min(limit.burst, rate.limit) - 1) * interval
+    return max(due - now, 0) / 1_000_000
+
+
+def server_now_us(client: Any) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    status = KeyStatus(name, used=0)
+    oldest = None
+    for score, weight in log_entries(client, name.redis_key, after=now - name.window_us):
+        if score > now:
+            status.reserved += weight
+            status.reservations += 1
+        else:
+            status.used += weight
+            oldest = score if oldest is None else min(oldest, score)
+    if oldest is not None:
+        status.oldest_leaves = (oldest + name.window_us - now) / 1_000_000
+    if status.reservations:
+        status.waiting = waiting_by_value(client, name.redis_key)
+    return status
+
+
+def concurrency_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    """Bodies holding a slot (``used``) and calls waiting for their turn."""
+    key = name.redis_key
+    waiting = client.zcard(key + PENDING)
+    return KeyStatus(name, used=client.zcard(key + STARTS), reserved=waiting, reservations=waiting)
+
+
+def calendar_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    """A calendar-aligned key: the weight counted in the window holding ``now`` (the
+    latest one begun) and in windows still to come (reservations)."""
+    metas = client.zrangebyscore(name.redis_key, "-inf", f"({ENTRY_FLOOR}", withscores=True)
+    names = [(m.decode() if isinstance(m, bytes) else m, int(w)) for m, w in metas]
+    windows = sorted(
+        (int(name[len(WINDOW_META) :]), weight)
+        for name, weight in names
+        if name.startswith(WINDOW_META)
+    )
+    begun = [weight for start, weight in windows if start <= now]
+    status = KeyStatus(name, used=begun[-1] if begun else 0)
+    status.reserved = sum(weight for start, weight in windows if start > now)
+    status.reservations = client.zcount(name.redis_key, f"({now}", "+inf")
+    return status
+
+
+def override_in_force(override: Rate | None, name: KeyName, alone: bool) -> Rate | None:
+    """``override`` when the decisions on the limit ``name`` apply it, as the scripts
+    do (``lua/lib/call.lua``): to a rate limit of its window, or of any window when the
+    limit is the only rate limit of its key and not calendar-aligned."""
+    if override is None or name.algorithm == "conc":
+        return None
+    if override.window_us == name.window_us or (alone and name.algorithm != "cal"):
+        return override
+    return None
+
+
+def key_status(client: Any, name: KeyName, now: int, override: Rate | None = None) -> KeyStatus:
+    """The state of one limit's key, whatever its algorithm; counted over the window of
+    ``override`` (one in force: see :func:`override_in_force`) when given."""
+    if override is not None and override.window_us != name.window_us:
+        row = key_status(client, replace(name, window_us=override.window_us), now)
+        row.name, row.override = name, override
+        return row
+    read = {
+        "log": log_status,
+        "counter": counter_status,
+        "conc": concurrency_status,
+        "cal": calendar_status,
+    }
+    row = read[name.algorithm](client, name, now)
+    row.override = override
+    return row
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """What an operator set on a logical key: a pause (seconds left, 0 if none) and a
+    rate override (``Limiter.override``) with the seconds it has left (None: no end)."""
+
+    key: str
+    paused_for: float = 0.0
+    override: Rate | None = None
+    override_for: float | None = None
+    #: what the upstream said of each limit of the key (``Limiter.observe``)
+    seen: tuple[Seen, ...] = ()
+    #: (algorithm, window_us, effective limit) of each adapting limit cut since it was
+    #: last back to its declared rate (``Limit(adapt=True)``)
+    effective: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What an upstream said of one limit (its algorithm and window) of a key: units
+    ``remaining`` for ``reset_in`` more seconds (0 and 0.0: its reset has passed), and the
+    ``quota`` it stated, in force (0: none)."""
+
+    algorithm: str
+    window_us: int
+    remaining: int
+    reset_in: float
+    quota: int
+
+
+def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings]:
+    """The keys (matching the glob ``match``) that are paused or have a rate override."""
+    client = limiter.client
+    found = []
+    try:
+        now = server_now_us(client)
+        for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
+            name = _text(raw)
+            key = settings_logical_key(limiter.prefix, name)
+            if key is None or (match is not None and not fnmatchcase(key, match)):
+                continue  # not one of ours, or not asked for
+            fields = {_text(f): v for f, v in client.hgetall(name).items()}
+            paused_for = max(float(fields.get(PAUSE_FIELD) or 0) - now, 0) / 1_000_000
+            override = parse_override(fields.get(RATE_FIELD), now)
+            seen = tuple(
+                said
+                for field, value in sorted(fields.items())
+                if field.startswith(SEEN_FIELD) and (said := _seen(field, value, now))
+            )
+            rates = tuple(
+                (algorithm, int(window), effective(value, int(window), now))
+                for field, value in sorted(fields.items())
+                if field.startswith(EFF_FIELD)
+                for algorithm, _, window in [field[len(EFF_FIELD) :].partition(":")]
+            )
+            if not paused_for and override is None and not seen and not rates:
+                continue
+            row = KeySettings(key, paused_for, seen=seen, effective=rates)
+            if override is not None:
+                limit, window_us, ends = override
+                left = (ends - now) / 1_000_000 if ends else None
+                row = KeySettings(key, paused_for, Rate(limit, window_us), left, seen, rates)
+            found.append(row)
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "a status read") from exc
+    return sorted(found, key=lambda row: row.key)
+
+
+def _seen(field: str, value: bytes | str, now: int) -> Seen | None:
+    """What the settings hash ``field`` of a limit holds at ``now`` (None: nothing)."""
+    said = parse_seen(value, now)
+    if said is None:
+        return None
+    algorithm, _, window = field[len(SEEN_FIELD) :].partition(":")
+    remaining, reset, quota = said
+    return Seen(algorithm, int(window), remaining, max(reset - now, 0) / 1_000_000, quota)
+
+
+def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
+    w, c, p = client.hmget(name.redis_key, *COUNTER_FIELDS)
+    window = name.window_us
+    wid = now // window
+    current = float(c or 0)
+    previous = float(p or 0)
+    stored = int(w) if w is not None else None
+    if stored is None or stored < wid - 1:
+        current = previous = 0.0
+    elif stored == wid - 1:
+        current, previous = 0.0, current
+    elapsed = now - wid * window
+    estimate = previous * (window - elapsed) / window + current
+    return KeyStatus(name, used=int(-(-estimate // 1)))
+
+
+def status(
+    limiter: Limiter,
+    known: Sequence[KnownLimit] = (),
+    *,
+    guard: float = 0.0,
+    match: str | None = None,
+) -> list[KeyStatus]:
+    """The state of every key under the limiter's prefix (or under ``match``, a key glob).
+
+    ``match`` is a glob over logical keys (``"yt:*"``).
+
+    Raises:
+        LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``failures``).
+    """
+    client = limiter.client
+    result: list[KeyStatus] = []
+    overrides = {row.key: row.override for row in key_settings(limiter, match) if row.override}
+    try:
+        now = server_now_us(client)
+        names = sorted(
+            (
+                name
+                for k in client.scan_iter(prefix_glob(limiter.prefix))
+                if (name := parse_key(limiter.prefix, _text(k))) is not None
+                and (match is None or fnmatchcase(name.key, match))
+            ),
+            key=lambda n: (n.key, n.window_us, n.algorithm),
+        )
+        rated = Counter(n.key for n in names if n.algorithm != "conc")
+        for name in names:
+            override = override_in_force(overrides.get(name.key), name, rated[name.key] == 1)
+            row = key_status(client, name, now, override)
+            if row.used == 0 and row.reserved == 0:
+                continue  # everything in it has left the window: the key is idle
+            ttl = client.pttl(name.redis_key)
+            row.ttl = ttl / 1000 if ttl and ttl > 0 else None
+            matching = [k for k in known if k.matches(name)]
+            if matching:
+                row.limit = matching[0].limit
+                row.sources = sorted({k.source for k in matching})
+                decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
+                row.remaining = decision.remaining
+                row.next_free = decision.retry_after
+                row.pace_in = pace_in(client, name, row.limit, now, row.override)
+            result.append(row)
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "a status read") from exc
+    return result
+
+
+def _text(key: bytes | str) -> str:
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+
+
+def in_seconds(value: float) -> str:
+    if value <= 0:
+        return "now"
+    if value < 120:
+        return f"in {value:.3f}s"
+    if value < 7200:
+        return f"in {value / 60:.1f}m"
+    return f"in {value / 3600:.1f}h"
+
+
+def _window(window_us: int) -> str:
+    if window_us == 0:
+        return "-"
+    text = str(Rate(1, window_us)).split("/", 1)[1]
+    return text if text[0].isdigit() else "1" + text
+
+
+def format_status(
+    rows: Sequence[KeyStatus], prefix: str, url: str, *, app: bool = True
+) -> list[str]:
+    """The table ``status`` prints (``app``: the app's declarations were read)."""
+    lines = [f"prefix {prefix!r} on {url}: {len(rows)} active key(s)"]
+    if not rows:
+        return lines
+    header = ("KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "NEXT FREE", "LIMIT")
+    table = [header]
+    for row in rows:
+        if isinstance(row.limit, Concurrency):
+            used = f"{row.used}/{row.limit.n} running"
+            remaining = str(row.remaining)
+            free = in_seconds(row.next_free or 0.0)
+            label = f"{row.limit.label} ({', '.join(row.sources)})"
+        elif row.limit is not None:
+            limit = row.override.limit if row.override else row.limit.fixed_rate.limit
+            used = f"{row.used}/{limit}"
+            remaining = str(row.remaining)
+            free = in_seconds(row.next_free or 0.0)
+            label = f"{row.limit.label} ({', '.join(row.sources)})"
+            if row.override:
+                label += f"; overridden: {row.override}"
+            if row.pace_in is not None and isinstance(row.limit, Limit):
+                label += f"; paced, burst {row.limit.burst}: next unit {in_seconds(row.pace_in)}"
+        else:
+            used = f"{row.used}/{row.override.limit}" if row.override else f"{row.used}"
+            remaining = "?"
+            free = "?"
+            label = "not declared by the app" if app else "declared limit: needs the app (-A)"
+            if row.override:
+                label += f"; overridden: {row.override}"
+            if row.oldest_leaves is not None:
+                label += f"; oldest entry leaves {in_seconds(row.oldest_leaves)}"
+        reserved = str(row.reservations)
+        if row.reserved != row.reservations:
+            reserved += f" ({row.reserved} units)"
+        table.append(
+            (
+                row.name.key,
+                _window(row.name.window_us),
+                row.name.algorithm,
+                used,
+                remaining,
+                reserved,
+                free,
+                label,
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    for r in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    for row in rows:
+        if row.waiting:
+            counts = ", ".join(f"{value} {n}" for value, n in row.waiting.items())
+            lines.append(f"waiting on {row.name.key} by fair key: {counts}")
+    lines.append(
+        "USED: weight counted in the window until now (ALG conc: bodies running); "
+        "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "
+        "turn; REMAINING and NEXT FREE count them)."
+    )
+    if not app and any(row.limit is None for row in rows):
+        lines.append(
+            "Without the app (-A proj), a key's declared limit, REMAINING and NEXT FREE "
+            "are unknown (?): what Redis holds is shown."
+        )
+    return lines
+
+
+def format_settings(rows: Sequence[KeySettings]) -> list[str]:
+    """The lines ``status`` prints about paused keys and rate overrides."""
+    lines = []
+    for row in rows:
+        if row.paused_for:
+            lines.append(f"paused {row.key}: nothing is granted on it {in_seconds(row.paused_for)}")
+        if row.override is not None:
+            left = row.override_for
+            until = "until unset" if left is None else f"ends {in_seconds(left)}"
+            lines.append(f"override {row.key}: {row.override} ({until})")
+        for seen in row.seen:
+            what = f"upstream {row.key} ({seen.algorithm} {_window(seen.window_us)}):"
+            if seen.reset_in:
+                what += f" {seen.remaining} left, full again {in_seconds(seen.reset_in)}"
+            if seen.quota:
+                what += f"{',' if seen.reset_in else ''} quota {seen.quota}"
+            lines.append(what)
+        for algorithm, window_us, limit in row.effective:
+            lines.append(
+                f"adapting {row.key} ({algorithm} {_window(window_us)}): effective "
+                f"{Rate(limit, window_us)} (the declared rate when lower)"
+            )
+    return lines
+
+
+__all__ = [
+    "KeyName",
+    "KeySettings",
+    "KeyStatus",
+    "KnownLimit",
+    "format_settings",
+    "format_status",
+    "key_settings",
+    "key_status",
+    "known_limits",
+    "pace_in",
+    "status",
+]
