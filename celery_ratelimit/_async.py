@@ -209,7 +209,7 @@ class AsyncLimiter(LimiterBase):
             for script in self._scripts.values():
                 await self.client.script_load(script.script)
         except REDIS_ERRORS as exc:
-            raise self.translate(exc, "the limiter's first call") from exc
+            raise self.translate(exc, self.failed_check()) from exc
         self._checked = True
 
     def translate(self, exc: Exception, doing: str) -> RateLimitError:
