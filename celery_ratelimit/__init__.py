@@ -17,6 +17,7 @@ from ._decorator import ratelimit
 from ._exceptions import (
     InvalidLimit,
     InvalidRate,
+    InvalidRedisURL,
     LimiterMisconfigured,
     LimiterUnavailable,
     RateLimitError,
@@ -37,6 +38,7 @@ __all__ = [
     "Decision",
     "InvalidLimit",
     "InvalidRate",
+    "InvalidRedisURL",
     "Limit",
     "Limiter",
     "LimiterMisconfigured",

@@ -13,8 +13,9 @@ import redis
 import redis.asyncio
 
 from ._base import DEFAULT_PREFIX, LimiterBase, ScriptCall
+from ._client import check_url
 from ._decision import Decision
-from ._exceptions import InvalidLimit, RateLimitError
+from ._exceptions import InvalidRedisURL, RateLimitError
 from ._failures import check_versions, translate
 from ._headers import parse
 from ._layout import key_glob, keys_among, stored_with
@@ -47,11 +48,11 @@ class AsyncLimiter(LimiterBase):
         timeouts default to :class:`Limiter`'s; ``options`` go to the client.
 
         Raises:
-            InvalidLimit: another scheme, naming it.
+            InvalidRedisURL: a malformed URL, or another scheme, naming it.
         """
-        scheme = url.partition("://")[0].lower()
+        scheme = check_url(url)
         if scheme not in ("redis", "rediss", "unix"):
-            raise InvalidLimit(
+            raise InvalidRedisURL(
                 f"AsyncLimiter.from_url takes redis://, rediss:// or unix:// URLs, got "
                 f"{scheme!r}: for Sentinel or Cluster give AsyncLimiter a redis.asyncio client"
             )

@@ -94,9 +94,10 @@ def test_the_suite_runs_on_a_given_server_and_leaves_no_limiter_key(tmp_path: Pa
     [
         (("--ratelimit-redis-url", "redis://127.0.0.1:{port}/0"), {}, "--ratelimit-redis-url"),
         ((), {URL_ENV: "http://127.0.0.1:{port}/0"}, f"{URL_ENV} 'http://"),
+        (("--ratelimit-redis-url", "notaurl"), {}, "'notaurl': InvalidRedisURL: not a Redis URL"),
         ((), {SERVER_ENV: "/nonexistent/valkey-server"}, f"{SERVER_ENV}='/nonexistent"),
     ],
-    ids=["closed port", "not a Redis URL", "no such server binary"],
+    ids=["closed port", "not a Redis URL", "not a URL", "no such server binary"],
 )
 def test_a_bad_server_ends_the_run_with_one_line(
     tmp_path: Path, args: tuple[str, ...], env: dict[str, str], says: str

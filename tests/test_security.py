@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import (
+    AsyncLimiter,
     Concurrency,
     InvalidLimit,
     InvalidRate,
+    InvalidRedisURL,
     Limit,
     Limiter,
     LimiterMisconfigured,
@@ -365,9 +367,9 @@ def test_rediss_verifies_the_certificate_by_default(tls_server: tuple[int, Path]
         (lambda: ratelimit("10/s", max_deferrals=-1), InvalidLimit, "-1"),
         (lambda: ratelimit("10/s", on_redis_error="ignore"), InvalidLimit, "'ignore'"),
         (lambda: Limiter(redis.Redis(), prefix="x{y}"), InvalidLimit, "'x{y}'"),
-        (lambda: Limiter.from_url("http://x"), InvalidLimit, "'http'"),
-        (lambda: Limiter.from_url("redis+sentinel://h:1"), InvalidLimit, "master name"),
-        (lambda: Limiter.from_url("redis+cluster://h:port"), InvalidLimit, "'h:port'"),
+        (lambda: Limiter.from_url("http://x"), InvalidRedisURL, "'http'"),
+        (lambda: Limiter.from_url("redis+sentinel://h:1"), InvalidRedisURL, "master name"),
+        (lambda: Limiter.from_url("redis+cluster://h:port"), InvalidRedisURL, "'h:port'"),
     ],
 )
 def test_bad_declarations_fail_at_import_time_naming_the_value(
@@ -401,11 +403,33 @@ def test_bad_declarations_fail_at_import_time_naming_the_value(
 def test_bad_settings_fail_at_install_naming_the_setting(name: str, value: object) -> None:
     app = Celery("bad", set_as_current=False)
     app.conf[name] = value
-    with pytest.raises(InvalidLimit) as info:
+    error = InvalidRedisURL if name == "ratelimit_redis_url" else InvalidLimit
+    with pytest.raises(error) as info:
         install(app)
     assert name in str(info.value)
-    with pytest.raises(InvalidLimit):
+    with pytest.raises(error):
         check_app_settings(app)
+
+
+@pytest.mark.parametrize(
+    "url", ["notaurl", "http://x", "redis://h:port/0", "redis://h/zero", "redis+cluster://h:port"]
+)
+def test_a_bad_redis_url_is_an_invalid_redis_url_wherever_it_is_given(url: str) -> None:
+    """Not an ``InvalidLimit`` (a URL is no limit): the limiter is misconfigured, and
+    ``except ValueError`` still catches it."""
+    app = Celery("bad", set_as_current=False)
+    app.conf.ratelimit_redis_url = url
+    for give in (
+        lambda: Limiter.from_url(url),
+        lambda: AsyncLimiter.from_url(url),
+        lambda: check_app_settings(app),
+    ):
+        with pytest.raises(InvalidRedisURL) as info:
+            give()
+        error = info.value
+        assert isinstance(error, LimiterMisconfigured) and isinstance(error, ValueError)
+        assert not isinstance(error, InvalidLimit)
+        assert url.partition("://")[0] in str(error)  # it names the URL, or its scheme
 
 
 def test_bad_rules_and_a_bad_base_class_rate_fail_when_declared() -> None:
