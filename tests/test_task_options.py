@@ -411,9 +411,12 @@ def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
     app.conf.task_always_eager = True
     calls: list[int] = []
 
-    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False)
-    def job(i: int) -> int:
+    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False, bind=True)
+    def job(self: Any, i: int) -> int:
         calls.append(i)
+        # what the README says a body reads: never deferred here, so 0; no decision
+        assert self.request.ratelimit_deferrals == 0
+        assert self.request.ratelimit_decision is None
         return i
 
     app.finalize()
