@@ -21,6 +21,7 @@ from ._engine.decision import Decision
 from ._engine.exceptions import (
     InvalidLimit,
     InvalidRate,
+    InvalidRedisURL,
     LimiterMisconfigured,
     LimiterUnavailable,
     RateLimitError,
@@ -37,6 +38,7 @@ __all__ = [
     "Decision",
     "InvalidLimit",
     "InvalidRate",
+    "InvalidRedisURL",
     "Limit",
     "Limiter",
     "LimiterMisconfigured",

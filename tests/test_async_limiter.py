@@ -11,8 +11,8 @@ import pytest
 from celery_ratelimit import (
     AsyncLimiter,
     Concurrency,
-    InvalidLimit,
     InvalidRate,
+    InvalidRedisURL,
     Limit,
     Limiter,
     LimiterUnavailable,
@@ -109,7 +109,7 @@ def test_settle_and_an_aligned_day_as_the_sync_limiter(redis_url: str, limiter: 
 
 
 def test_bad_input_and_a_stopped_redis_fail_as_the_sync_limiter_does() -> None:
-    with pytest.raises(InvalidLimit, match="redis\\+sentinel"):
+    with pytest.raises(InvalidRedisURL, match="redis\\+sentinel"):
         AsyncLimiter.from_url("redis+sentinel://h:26379/mymaster")
     server = RedisServer()
     url = server.url

@@ -289,6 +289,25 @@ def test_every_pool_starts_bodies_within_the_shared_limit(
     print(f"[{label}] most first I/Os in a window {first_io}")
 
 
+@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("threads", 4), ("solo", 1)])
+def test_a_body_reads_its_deferrals_and_decision_on_every_pool_and_form(
+    start_nodes: Callable[..., Nodes], pool: str, concurrency: int
+) -> None:
+    """The README's ``self.request.ratelimit_deferrals`` and ``ratelimit_decision``, read
+    as attributes: 0 deferrals in a body that ran at its first try (the header comes with
+    a deferral), the count after; a Decision always. Three calls of each form at once
+    under 1/s: the first runs at once, the others are deferred."""
+    nodes = start_nodes(pool=pool, concurrency=concurrency, count=1)
+    for form in ("by_base", "by_decorator", "by_rules"):
+        nodes.clear_budgets()
+        results = [nodes.send(f"reads_request_{form}") for _ in range(3)]
+        read = [result.get(timeout=30) for result in results]  # raised: an AttributeError
+        assert all(r["decision"] == "Decision" and r["allowed_or_reserved"] for r in read), read
+        deferrals = sorted(r["deferrals"] for r in read)
+        assert all(isinstance(d, int) for d in deferrals), read
+        assert deferrals[0] == 0 and deferrals[-1] >= 1, (form, read)
+
+
 @pytest.fixture(scope="module")
 def public_only_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     """Three nodes with CELERY_RATELIMIT_PUBLIC_ONLY=1, for both forms below."""

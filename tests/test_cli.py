@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Concurrency, Limit, Limiter, Rate
+from celery_ratelimit._engine import failures as _failures
 from celery_ratelimit._engine.keys import render
 from tests.examples_env import run
 from tests.redis_server import RedisServer, free_port
@@ -247,6 +248,47 @@ def test_demo_runs_end_to_end_and_prints_the_report() -> None:
     assert re.search(r"drain time / ideal\s+[\d.]+s / 1\.00s", out)
     assert "limiter calls per task" in out
     assert "result: the shared limit held" in out
+    assert "ideal drain 1.00s: 20 tasks at 10 per 1s fill 2 window(s)" in out
+    # the live line counts starts in the last window, never above the limit that held
+    counts = re.findall(r"(\d+) started (?:in the last 1s|so far) \(limit 10 per 1s\)", out)
+    assert counts and max(map(int, counts)) <= 10, counts
+
+
+def test_the_demo_progress_counts_starts_never_a_rate_over_part_of_a_window() -> None:
+    from celery_ratelimit._tools.demo import progress_line
+
+    rate = Rate.parse("10/s")
+    # the whole limit at the start of each window, as the demo's first second goes
+    starts = [w * 1_000_000 + i for w in range(3) for i in range(10)]
+    for now in range(0, 3_000_000, 10_000):
+        so_far = [t for t in starts if t <= now]
+        line = progress_line(so_far, 30, rate, now / 1e6, 2.0, now_us=now)
+        found = re.search(r"(\d+) started (in the last 1s|so far) \(limit 10 per 1s\)", line)
+        assert found and int(found[1]) <= 10, line
+        assert (found[2] == "so far") == (now < 1_000_000)
+    early = progress_line(starts[:10], 30, rate, 0.3, 2.0, now_us=300_000)
+    assert "10/30 executed, 20 waiting, 10 started so far (limit 10 per 1s)" in early
+
+
+@pytest.mark.parametrize("command", [("status",), ("reset", "k")])
+def test_the_acl_line_suggested_to_an_operator_without_scan_is_the_one_that_works(
+    server: RedisServer, limiter: Limiter, command: tuple[str, ...]
+) -> None:
+    """``status`` and ``reset`` scan the prefix: a user with the workers' ACL line (no
+    ``+scan``) is refused, and the line the error suggests, once run, lets it through."""
+    admin = server.client()
+    workers_line = _failures.acl_setuser("ops", "example").replace(">PASSWORD", ">pw")
+    admin.execute_command(*workers_line.split())
+    limiter.acquire("k", "10/s")
+    url = f"redis://ops:pw@127.0.0.1:{server.port}/0"
+    where = ("--url", url, "--prefix", "example")
+    refused = run(sys.executable, "-m", "celery_ratelimit", *command, *where, env={})
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    suggested = re.search(r"ACL SETUSER ops on >PASSWORD [^(]*", refused.stderr)
+    assert suggested and "+scan" in suggested[0].split(), refused.stderr
+    admin.execute_command(*suggested[0].replace(">PASSWORD", ">pw").split())
+    assert "example" in cli(*command, *where, env={})
+    admin.close()
 
 
 def test_the_demo_verdict_is_by_starts_and_says_by_how_much_and_why() -> None:

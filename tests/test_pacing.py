@@ -264,3 +264,21 @@ def test_the_demo_report_shows_the_most_starts_in_an_interval_when_paced() -> No
         line for line in Report(4, 4, rate, 4, 4, 0.2, 0.2, 6, 2, runs).lines() if "100 ms" in line
     ]
     assert ideal_drain(60, rate, 2) == 5.8 and ideal_drain(60, rate) == 4.0
+
+
+def test_the_demo_says_why_a_paced_ideal_is_longer() -> None:
+    from celery_ratelimit import Rate
+    from celery_ratelimit._tools.demo import Report, ideal_why
+
+    rate = Rate.parse("20/2s")
+    assert (
+        ideal_why(60, rate)
+        == "60 tasks at 20 per 2s fill 3 window(s): the last starts 4s after the first"
+    )
+    paced = ideal_why(60, rate, 2)
+    assert paced.startswith(ideal_why(60, rate))
+    assert "the 58 after a burst of 2 start one every 100 ms" in paced
+    assert "the last starts 5.80s after the first, 1.80s later than unpaced" in paced
+    assert ideal_why(60, rate, 20) == ideal_why(60, rate)  # a burst of the whole limit
+    runs = [(0, 0, 0)]
+    assert f"  the ideal: {paced}" in Report(60, 60, rate, 20, 20, 6.0, 5.8, 60, 0, runs, 2).lines()

@@ -6,10 +6,12 @@ URL; a bad URL or server ends that run with one line. The server clock fixture
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import shutil
 import subprocess
+import symtable
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,6 +25,7 @@ from celery_ratelimit_pytest import URL_ENV, ServerClock
 from tests.redis_server import RedisServer, free_port
 
 SUITE = Path(__file__).resolve().parent.parent / "examples" / "testing_your_tasks"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 FUNCTION_WORKER = "celery_app: Any, celery_worker: Any"
 
 
@@ -91,9 +94,10 @@ def test_the_suite_runs_on_a_given_server_and_leaves_no_limiter_key(tmp_path: Pa
     [
         (("--ratelimit-redis-url", "redis://127.0.0.1:{port}/0"), {}, "--ratelimit-redis-url"),
         ((), {URL_ENV: "http://127.0.0.1:{port}/0"}, f"{URL_ENV} 'http://"),
+        (("--ratelimit-redis-url", "notaurl"), {}, "'notaurl': InvalidRedisURL: not a Redis URL"),
         ((), {SERVER_ENV: "/nonexistent/valkey-server"}, f"{SERVER_ENV}='/nonexistent"),
     ],
-    ids=["closed port", "not a Redis URL", "no such server binary"],
+    ids=["closed port", "not a Redis URL", "not a URL", "no such server binary"],
 )
 def test_a_bad_server_ends_the_run_with_one_line(
     tmp_path: Path, args: tuple[str, ...], env: dict[str, str], says: str
@@ -109,6 +113,74 @@ def test_a_bad_server_ends_the_run_with_one_line(
     lines = [line for line in out.splitlines() if says in line]
     assert len(lines) == 1, out
     assert "Traceback" not in out and "passed" not in out
+
+
+def doc_snippets() -> dict[str, str]:
+    """The Python blocks of docs/testing.md, by the file a reader pastes each into."""
+    files: dict[str, str] = {}
+    for block in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S):
+        if "def celery_config" in block:
+            name = "conftest.py"
+        elif block.startswith(("# tasks.py", "# test_tasks.py")):
+            name = block.split()[1]
+        elif "ratelimit_clock" in block:
+            name = "test_clock.py"
+        else:
+            raise AssertionError(f"a Python block of docs/testing.md that no test runs:\n{block}")
+        assert name not in files, name
+        files[name] = block
+    assert sorted(files) == ["conftest.py", "tasks.py", "test_clock.py", "test_tasks.py"]
+    return files
+
+
+def names_amiss(source: str) -> list[str]:
+    """What a linter would say of a snippet: names read but bound nowhere (no import,
+    no definition, no builtin), and names a function binds but never reads."""
+    top = symtable.symtable(source, "snippet", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    amiss = [
+        f"{s.get_name()} is not defined"
+        for s in top.get_symbols()
+        if s.is_referenced() and s.get_name() not in bound and not hasattr(builtins, s.get_name())
+    ]
+    tables = list(top.get_children())
+    while tables:
+        table = tables.pop()
+        tables += table.get_children()
+        inner = {s.get_name() for child in table.get_children() for s in child.get_symbols()}
+        for s in table.get_symbols():
+            name = s.get_name()
+            if s.is_global() and name not in bound and not hasattr(builtins, name):
+                amiss.append(f"{name} is not defined (in {table.get_name()})")
+            unread = not s.is_referenced() and name not in inner  # nor by a nested scope
+            if table.get_type() == "function" and s.is_assigned() and unread:
+                amiss.append(f"{name} is assigned and never used (in {table.get_name()})")
+    return amiss
+
+
+def test_the_docs_snippets_run_as_pasted(tmp_path: Path) -> None:
+    """docs/testing.md's conftest.py, tasks.py and tests, and its ratelimit_clock test,
+    each pasted into a file of its own: nothing undefined or unused, and pytest passes
+    (the clock's test skips where libfaketime is missing)."""
+    files = doc_snippets()
+    amiss = {name: names_amiss(text) for name, text in files.items()}
+    assert amiss == {name: [] for name in files}, amiss
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert re.search(r"\b3 passed\b|\b2 passed, 1 skipped\b", result.stdout), out
+    if "skipped" in result.stdout:
+        assert "faketime" in result.stdout, out  # the clock's reason, no other
 
 
 def test_the_projects_own_limiter_fixture_wins_over_the_plugins(limiter: Limiter) -> None:

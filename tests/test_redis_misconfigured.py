@@ -9,6 +9,7 @@ ERROR, not one per task.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_ratelimit import Limiter, LimiterMisconfigured
+from celery_ratelimit import AsyncLimiter, Limiter, LimiterMisconfigured, LimiterUnavailable
 from celery_ratelimit._engine.failures import version_error
 from tests.fault_nodes import Fleet, unique_prefix
 from tests.nodes import rabbitmq_reachable
@@ -185,6 +186,10 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
                 break
             time.sleep(0.2)
         assert all(sum(i in line for line in deferred) >= 2 for i in ids)
+        # "the limiter's first call" is said by a process's first failure only (the
+        # node's check at start, or its first decision), not by each deferral after it
+        firsts = [line for line in deferred if "the limiter's first call" in line]
+        assert len(firsts) <= 2 < len(deferred), firsts  # two pool processes
         warnings = [line for line in fleet.grep("Redis unavailable") if "deferring" in line]
         assert 1 <= len(warnings) <= 2  # ...and that was said once per pool process
         said = "No master found" if form == "redis+sentinel" else "Connection refused"
@@ -196,6 +201,36 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
         raise
     finally:
         fleet.stop()
+
+
+def test_only_the_first_failure_of_a_limiter_says_it_was_its_first_call() -> None:
+    limiter = Limiter.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    said = []
+    for _ in range(3):
+        with pytest.raises(LimiterUnavailable) as raised:
+            limiter.acquire("k", "10/s")
+        said.append(str(raised.value))
+    assert "during the limiter's first call" in said[0]
+    for later in said[1:]:
+        assert "first call" not in later and "during a rate-limit decision" in later, later
+    limiter.client.close()
+
+
+def test_only_the_first_failure_of_an_async_limiter_says_it_was_its_first_call() -> None:
+    async def failures() -> list[str]:
+        limiter = AsyncLimiter.from_url(f"redis://127.0.0.1:{free_port()}/0")
+        said = []
+        for _ in range(3):
+            try:
+                await limiter.acquire("k", "10/s")
+            except LimiterUnavailable as exc:
+                said.append(str(exc))
+        await limiter.aclose()
+        return said
+
+    first, *later = asyncio.run(failures())
+    assert "during the limiter's first call" in first
+    assert later and all("first call" not in one for one in later), later
 
 
 def test_a_server_without_zmscore_is_told_to_upgrade() -> None:

@@ -70,7 +70,9 @@ def test_a_stamped_task_retries_under_a_limit_that_defers_the_retry(
     install(app)
     runs: list[dict[str, Any]] = []
 
-    @app.task(name="copies_test.retry_once", bind=True, max_retries=1)
+    # shared=False: a shared task is added to every app finalized later (each other
+    # test's), which warns of a duplicate name once this test has run twice
+    @app.task(name="copies_test.retry_once", bind=True, max_retries=1, shared=False)
     def retry_once(self: Any) -> int:
         request = self.request
         decision = request.ratelimit_decision

@@ -5,7 +5,9 @@ Run with ``-s`` to see the figures.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,9 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_ratelimit import (
+    AsyncLimiter,
     Concurrency,
     InvalidLimit,
     InvalidRate,
+    InvalidRedisURL,
     Limit,
     Limiter,
     LimiterMisconfigured,
@@ -229,9 +233,9 @@ def exercise(limiter: Limiter, admin: redis.Redis) -> None:
         raise limiter.translate(exc, "parking") from exc
 
 
-def fails_without(command: str) -> bool:
-    """Whether some operation fails for the ACL user lacking ``command``, on a server of
-    its own (each round flushes the scripts)."""
+def error_without(command: str) -> Exception | None:
+    """What the first operation to fail raised for the ACL user lacking ``command``, on
+    a server of its own (each round flushes the scripts); None if none failed."""
     line = acl_line(tuple(c for c in ACL_COMMANDS if c != command)).format(password="s3cret")
     with RedisServer() as server:
         admin = server.client()
@@ -239,12 +243,48 @@ def fails_without(command: str) -> bool:
         limiter = Limiter.from_url(f"redis://ratelimit:s3cret@127.0.0.1:{server.port}/0")
         try:
             exercise(limiter, admin)
-        except (LimiterMisconfigured, redis.exceptions.NoPermissionError):
-            return True
+        except (LimiterMisconfigured, redis.exceptions.NoPermissionError) as exc:
+            return exc
         finally:
             limiter.client.close()
             admin.close()
-        return False
+        return None
+
+
+@functools.cache
+def errors_without_each() -> dict[str, Exception | None]:
+    """:func:`error_without` of each listed command (a few rounds at a time: they mostly
+    sleep through their windows), once for the tests that read them."""
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        return dict(zip(ACL_COMMANDS, pool.map(error_without, ACL_COMMANDS), strict=True))
+
+
+def script_commands() -> set[str]:
+    """Every command the Lua scripts call (``redis.call('X'``, ``redis.pcall("X"``)."""
+    lua = Path(__file__).resolve().parent.parent / "lua"
+    calls = re.compile(r"redis\.p?call\(\s*['\"]([A-Za-z|]+)['\"]")
+    return {name.lower() for path in lua.rglob("*.lua") for name in calls.findall(path.read_text())}
+
+
+def test_the_suggested_acl_line_names_every_command_the_scripts_run() -> None:
+    commands = script_commands()
+    assert {"zadd", "time", "hmget"} <= commands  # the grep finds them
+    line = _failures.acl_setuser("u", "ratelimit").split()
+    assert sorted(c for c in commands if f"+{c}" not in line) == []
+
+
+def test_a_user_without_any_one_script_command_is_given_the_whole_acl_line() -> None:
+    """The scripts' commands are checked against the ACL when they run, and a refusal
+    there reads differently from a NOPERM reply (Redis 6.2/7.0: "The user executing the
+    script can't run this command"): it is a missing permission all the same, told with
+    the whole ACL SETUSER line, not a script failure to report."""
+    errors = errors_without_each()
+    full = _failures.acl_setuser("ratelimit", "ratelimit")
+    for command in sorted(script_commands()):
+        error = errors[command]
+        assert isinstance(error, LimiterMisconfigured), (command, error)
+        assert "lacks a permission" in str(error) and full in str(error), (command, error)
+        assert "please report" not in str(error), (command, error)
 
 
 def test_an_acl_user_with_only_its_prefix_and_the_listed_commands_suffices(
@@ -268,11 +308,8 @@ def test_an_acl_user_with_only_its_prefix_and_the_listed_commands_suffices(
         with pytest.raises(redis.exceptions.NoPermissionError):
             user.eval("return redis.call('GET', KEYS[1])", 1, "ratelimit:x")
         assert admin.get("other:secret") == b"x"
-        # and each listed command is needed by some operation (a few rounds at a time:
-        # they mostly sleep through their windows)
-        with ThreadPoolExecutor(max_workers=6) as pool:
-            needed = list(pool.map(fails_without, ACL_COMMANDS))
-        unneeded = [c for c, fails in zip(ACL_COMMANDS, needed, strict=True) if not fails]
+        # and each listed command is needed by some operation
+        unneeded = [c for c, error in errors_without_each().items() if error is None]
         print(f"\n[ACL] {ACL_LINE}\ncommands no operation needed: {unneeded}")
         assert unneeded == [], unneeded
     finally:
@@ -363,9 +400,9 @@ def test_rediss_verifies_the_certificate_by_default(tls_server: tuple[int, Path]
         (lambda: ratelimit("10/s", max_deferrals=-1), InvalidLimit, "-1"),
         (lambda: ratelimit("10/s", on_redis_error="ignore"), InvalidLimit, "'ignore'"),
         (lambda: Limiter(redis.Redis(), prefix="x{y}"), InvalidLimit, "'x{y}'"),
-        (lambda: Limiter.from_url("http://x"), InvalidLimit, "'http'"),
-        (lambda: Limiter.from_url("redis+sentinel://h:1"), InvalidLimit, "master name"),
-        (lambda: Limiter.from_url("redis+cluster://h:port"), InvalidLimit, "'h:port'"),
+        (lambda: Limiter.from_url("http://x"), InvalidRedisURL, "'http'"),
+        (lambda: Limiter.from_url("redis+sentinel://h:1"), InvalidRedisURL, "master name"),
+        (lambda: Limiter.from_url("redis+cluster://h:port"), InvalidRedisURL, "'h:port'"),
     ],
 )
 def test_bad_declarations_fail_at_import_time_naming_the_value(
@@ -399,11 +436,33 @@ def test_bad_declarations_fail_at_import_time_naming_the_value(
 def test_bad_settings_fail_at_install_naming_the_setting(name: str, value: object) -> None:
     app = Celery("bad", set_as_current=False)
     app.conf[name] = value
-    with pytest.raises(InvalidLimit) as info:
+    error = InvalidRedisURL if name == "ratelimit_redis_url" else InvalidLimit
+    with pytest.raises(error) as info:
         install(app)
     assert name in str(info.value)
-    with pytest.raises(InvalidLimit):
+    with pytest.raises(error):
         check_app_settings(app)
+
+
+@pytest.mark.parametrize(
+    "url", ["notaurl", "http://x", "redis://h:port/0", "redis://h/zero", "redis+cluster://h:port"]
+)
+def test_a_bad_redis_url_is_an_invalid_redis_url_wherever_it_is_given(url: str) -> None:
+    """Not an ``InvalidLimit`` (a URL is no limit): the limiter is misconfigured, and
+    ``except ValueError`` still catches it."""
+    app = Celery("bad", set_as_current=False)
+    app.conf.ratelimit_redis_url = url
+    for give in (
+        lambda: Limiter.from_url(url),
+        lambda: AsyncLimiter.from_url(url),
+        lambda: check_app_settings(app),
+    ):
+        with pytest.raises(InvalidRedisURL) as info:
+            give()
+        error = info.value
+        assert isinstance(error, LimiterMisconfigured) and isinstance(error, ValueError)
+        assert not isinstance(error, InvalidLimit)
+        assert url.partition("://")[0] in str(error)  # it names the URL, or its scheme
 
 
 def test_bad_rules_and_a_bad_base_class_rate_fail_when_declared() -> None:

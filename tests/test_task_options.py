@@ -8,6 +8,7 @@ redis-server); whether the limit holds is proven against real worker nodes in
 
 from __future__ import annotations
 
+import traceback
 import uuid
 from typing import Any
 
@@ -132,6 +133,33 @@ def test_the_base_class_option_is_validated_when_the_task_is_built(app: Celery) 
 
         @app.task(base=RateLimitedTask, ratelimit="ten per second", shared=False)
         def broken() -> None: ...
+
+
+@pytest.mark.parametrize("form", ["base class", "rules", "bad rate"])
+def test_a_bad_limit_raised_where_celery_builds_the_task_stands_alone(
+    app: Celery, form: str
+) -> None:
+    """Celery builds an ``@app.task`` at its first use, inside ``PromiseProxy``'s
+    ``except AttributeError``: the library's error must not come chained after that
+    ``'PromiseProxy' object has no attribute '__thing'``, which says nothing of it."""
+    options: dict[str, Any] = {}
+    if form == "rules":
+        app.conf.ratelimit_rules = {"plumbing.job": Limit("5/s", key="api:{thing}")}
+        install(app)
+    else:
+        spec = "ten per second" if form == "bad rate" else Limit("5/s", key="api:{thing}")
+        options = {"base": RateLimitedTask, "ratelimit": spec}
+
+    @app.task(name="plumbing.job", shared=False, **options)
+    def job(tenant: str) -> None: ...
+
+    with pytest.raises((InvalidLimit, InvalidRate), match=r"thing|ten per second") as raised:
+        job.delay("t1")
+    error = raised.value
+    assert error.__cause__ is None
+    assert error.__context__ is None or error.__suppress_context__
+    shown = "".join(traceback.format_exception(error))
+    assert "AttributeError" not in shown and "another exception occurred" not in shown, shown
 
 
 def test_rules_prefer_an_exact_name_then_the_first_matching_glob() -> None:
@@ -381,9 +409,12 @@ def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
     app.conf.task_always_eager = True
     calls: list[int] = []
 
-    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False)
-    def job(i: int) -> int:
+    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False, bind=True)
+    def job(self: Any, i: int) -> int:
         calls.append(i)
+        # what the README says a body reads: never deferred here, so 0; no decision
+        assert self.request.ratelimit_deferrals == 0
+        assert self.request.ratelimit_decision is None
         return i
 
     app.finalize()

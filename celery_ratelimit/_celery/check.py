@@ -250,7 +250,10 @@ class Check:
         if self.metrics is not None:
             self.metrics.redis_error(self.plan.limits)
         interval = setting("ratelimit_warning_interval", self.task.app)
-        if _log_at_most_every(interval, str(exc)):
+        # once per cause: what Redis answered, not the message (the first one says it
+        # was the limiter's first call, the next ones a decision)
+        cause = exc.__cause__ or exc
+        if _log_at_most_every(interval, f"misconfigured:{type(cause).__name__}:{cause}"):
             logger.error(
                 "ratelimit: %s. Every rate-limited task fails until this is fixed "
                 "(%s[%s] now; next report in %.0fs at the earliest)",

@@ -19,7 +19,7 @@ from celery import signals
 
 from .._engine.base import DEFAULT_PREFIX
 from .._engine.client import check_url, host_list, redacted
-from .._engine.exceptions import InvalidLimit
+from .._engine.exceptions import InvalidLimit, InvalidRedisURL
 from .._engine.limit import REDIS_ERROR_POLICIES
 from .._engine.limiter import Limiter
 
@@ -136,8 +136,8 @@ def _redis_url(name: str, value: Any) -> str | None:
         return None
     try:
         check_url(value)
-    except InvalidLimit as exc:
-        raise InvalidLimit(f"{name}: {exc}") from None
+    except InvalidRedisURL as exc:
+        raise InvalidRedisURL(f"{name}: {exc}") from None
     return str(value)
 
 
@@ -275,7 +275,7 @@ def servers(url: str) -> Servers | None:
     or ``sentinel`` (whose service is the master's name); None if it is none of these."""
     try:
         scheme = check_url(url)
-    except InvalidLimit:
+    except InvalidRedisURL:
         return None
     parts = urlsplit(url)
     if scheme == "unix":

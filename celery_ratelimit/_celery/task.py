@@ -35,6 +35,7 @@ from .._engine.exceptions import (
     InvalidLimit,
     LimiterMisconfigured,
     LimiterUnavailable,
+    RateLimitError,
 )
 from .._engine.headers import Observation
 from .._engine.keys import escape_key
@@ -76,10 +77,15 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
         LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
     """
     request = task.request
-    if request.is_eager or request.called_directly:
+    if request.called_directly:
         return
     plan = plan_for(task)
     if plan is None:
+        return
+    if DEFERRALS_HEADER not in vars(request):
+        # the header comes with the first deferral; a body reads 0 until then
+        setattr(request, DEFERRALS_HEADER, 0)
+    if request.is_eager:
         return
     check = Check(task, plan, tuple(args), kwargs)
     token = _token_header(task, request)
@@ -269,10 +275,9 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         super().__init_subclass__(**kwargs)
         spec = cls.__dict__.get("ratelimit")
         if spec is not None:
-            cls.ratelimit = to_limits(
-                spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
+            cls.ratelimit = checked_limits(
+                cls, spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
             )
-            check_key_fields(cls, cls.ratelimit)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check the shared limit before the body runs; defer (``Retry``) if denied."""
@@ -292,6 +297,27 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         return call_body(self, super().__call__, args, kwargs)
 
 
+def checked_limits(cls: Any, spec: Any, what: str = "limits") -> tuple[Any, ...]:
+    """The task class's limits, normalized, their key templates checked against its
+    signature.
+
+    Celery builds an ``@app.task`` class when its proxy is first used, inside the proxy's
+    ``except AttributeError`` (``celery.local.PromiseProxy``): an error raised here would
+    come chained after that AttributeError, which says nothing of the mistake. It is
+    raised alone.
+
+    Raises:
+        InvalidRate, InvalidLimit: a bad rate or limit, or a key template naming an
+            argument that no call of the task can have.
+    """
+    try:
+        limits = to_limits(spec, what)
+        check_key_fields(cls, limits)
+    except RateLimitError as exc:
+        raise exc from None
+    return limits
+
+
 def wrap_before_start(cls: Any) -> None:
     """Make a plain task class enforce its ``ratelimit`` in ``before_start`` (its key
     templates checked against the task's signature first).
@@ -300,7 +326,7 @@ def wrap_before_start(cls: Any) -> None:
     task's own class (Celery looks it up there when it builds the task's tracer); an
     existing ``before_start`` still runs, after the check.
     """
-    check_key_fields(cls, to_limits(cls.ratelimit))
+    checked_limits(cls, cls.ratelimit)
     if issubclass(cls, RateLimitedTask) or cls.__dict__.get("_ratelimit_wrapped"):
         return
     original = cls.before_start

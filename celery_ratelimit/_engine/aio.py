@@ -13,8 +13,9 @@ import redis
 import redis.asyncio
 
 from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
+from .client import check_url
 from .decision import Decision
-from .exceptions import InvalidLimit, RateLimitError
+from .exceptions import InvalidRedisURL, RateLimitError
 from .failures import check_versions, translate
 from .headers import parse
 from .layout import key_glob, keys_among, stored_with
@@ -47,11 +48,11 @@ class AsyncLimiter(LimiterBase):
         timeouts default to :class:`Limiter`'s; ``options`` go to the client.
 
         Raises:
-            InvalidLimit: another scheme, naming it.
+            InvalidRedisURL: a malformed URL, or another scheme, naming it.
         """
-        scheme = url.partition("://")[0].lower()
+        scheme = check_url(url)
         if scheme not in ("redis", "rediss", "unix"):
-            raise InvalidLimit(
+            raise InvalidRedisURL(
                 f"AsyncLimiter.from_url takes redis://, rediss:// or unix:// URLs, got "
                 f"{scheme!r}: for Sentinel or Cluster give AsyncLimiter a redis.asyncio client"
             )
@@ -209,7 +210,7 @@ class AsyncLimiter(LimiterBase):
             for script in self._scripts.values():
                 await self.client.script_load(script.script)
         except REDIS_ERRORS as exc:
-            raise self.translate(exc, "the limiter's first call") from exc
+            raise self.translate(exc, self.failed_check()) from exc
         self._checked = True
 
     def translate(self, exc: Exception, doing: str) -> RateLimitError:

@@ -95,12 +95,22 @@ class LimiterBase:
         self._cluster = hasattr(client, "get_nodes")
         self._scripts = {name: client.register_script(source(name)) for name in NAMES}
         self._checked = False  # Redis checked (version, scripts loaded): see check()
+        self._first_told = False  # a failed check's error said "the limiter's first call"
         # one check at a time: fifty greenlets of a cold node would each load the scripts
         self._check_lock = threading.Lock()
         # the script's keys for (key, shape), worked out and checked once: escaping and
         # formatting are most of a decision's Python, and a process decides for few
         # distinct keys and shapes
         self._sends: dict[tuple[Any, Shape], list[str]] = {}
+
+    def failed_check(self) -> str:
+        """What a check that failed was doing, for its error: the limiter's first call, the
+        first time only; after that, the decision that checks again (each one does until
+        a check passes), so that the seventh deferral's line does not say "first"."""
+        if self._first_told:
+            return "a rate-limit decision"
+        self._first_told = True
+        return "the limiter's first call"
 
     def keys_for(self, key: str | Sequence[str], limits: LimitSpec) -> list[str]:
         """Redis keys for ``limits``. ``key`` is one code-given key for all limits (a

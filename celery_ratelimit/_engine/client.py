@@ -26,7 +26,7 @@ from redis.connection import Encoder  # type: ignore[attr-defined]
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .exceptions import InvalidLimit
+from .exceptions import InvalidRedisURL
 
 
 def host_list(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
@@ -40,7 +40,7 @@ def host_list(netloc: str, url: str) -> tuple[str | None, str | None, list[tuple
     for part in hostlist.split(","):
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise InvalidLimit(f"bad host:port {part!r} in Redis URL {redacted(url)}")
+            raise InvalidRedisURL(f"bad host:port {part!r} in Redis URL {redacted(url)}")
         hosts.append((host.strip("[]"), int(port)))
     return username, password, hosts
 
@@ -68,29 +68,29 @@ def check_url(url: object) -> str:
     """``url`` if it is a Redis URL this library can connect to; its scheme, lowercase.
 
     Raises:
-        InvalidLimit: not a string, an unknown scheme, or a malformed host, port or db,
+        InvalidRedisURL: not a string, an unknown scheme, or a malformed host, port or db,
             naming the URL (its password redacted).
     """
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidLimit(f"not a Redis URL: {redacted(url)}")
+        raise InvalidRedisURL(f"not a Redis URL: {redacted(url)}")
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
-        raise InvalidLimit(
+        raise InvalidRedisURL(
             f"unknown Redis URL scheme {scheme!r} in {redacted(url)}: expected redis, rediss, "
             "unix, redis+sentinel or redis+cluster"
         )
     parts = urlsplit(url)
     if scheme == "unix":
         if not parts.path:
-            raise InvalidLimit(f"Redis URL {redacted(url)} names no socket path")
+            raise InvalidRedisURL(f"Redis URL {redacted(url)} names no socket path")
     elif scheme in ("redis", "rediss"):
         try:
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number
         except ValueError:
-            raise InvalidLimit(f"bad port in Redis URL {redacted(url)}") from None
+            raise InvalidRedisURL(f"bad port in Redis URL {redacted(url)}") from None
         db = parts.path.strip("/")
         if db and not db.isdigit():
-            raise InvalidLimit(f"bad database number {db!r} in Redis URL {redacted(url)}")
+            raise InvalidRedisURL(f"bad database number {db!r} in Redis URL {redacted(url)}")
     else:
         host_list(parts.netloc, url)
     return scheme
@@ -102,7 +102,7 @@ def client_from_url(
     """A redis-py client for ``url`` with bounded timeouts.
 
     Raises:
-        InvalidLimit: an unknown scheme or a malformed URL, naming it.
+        InvalidRedisURL: an unknown scheme or a malformed URL, naming it.
     """
     scheme = check_url(url)
     timeouts: dict[str, Any] = {
@@ -118,7 +118,7 @@ def client_from_url(
     if scheme in ("redis+sentinel", "rediss+sentinel"):
         path = [p for p in parts.path.split("/") if p]
         if not path:
-            raise InvalidLimit(
+            raise InvalidRedisURL(
                 f"Sentinel URL {redacted(url)} needs the master name: .../mymaster/0"
             )
         master = path[0]

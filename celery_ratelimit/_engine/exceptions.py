@@ -8,9 +8,11 @@
     ├── RateLimitExceeded               a task gave up after ``ratelimit_max_deferrals``
     ├── LimiterUnavailable              Redis could not be reached, for now (a failover, a restart)
     └── LimiterMisconfigured            Redis refuses the limiter until its configuration changes
+        └── InvalidRedisURL(ValueError) a limiter URL that names no Redis at all
 
-``InvalidRate`` and ``InvalidLimit`` are also ``ValueError`` so that plain ``except
-ValueError`` keeps working; type mistakes (a float cost, a bool cost) raise ``TypeError``.
+``InvalidRate``, ``InvalidLimit`` and ``InvalidRedisURL`` are also ``ValueError`` so that
+plain ``except ValueError`` keeps working; type mistakes (a float cost, a bool cost) raise
+``TypeError``.
 Errors from redis-py are translated where they enter, in ``Limiter``, and chained
 (``raise LimiterUnavailable(...) from exc``).
 """
@@ -52,4 +54,12 @@ class LimiterMisconfigured(RateLimitError):
     cause and the fix.
 
     In a worker, the task fails at once (whatever ``ratelimit_on_redis_error`` says).
+    """
+
+
+class InvalidRedisURL(LimiterMisconfigured, ValueError):
+    """A limiter's Redis URL that names no server this library can connect to: not a
+    URL, an unknown scheme, a malformed host, port or database (the message names it,
+    its password hidden). Raised before anything is sent, where the URL is given
+    (``Limiter.from_url``, ``ratelimit_redis_url``, ``--url``).
     """

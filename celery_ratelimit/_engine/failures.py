@@ -16,6 +16,7 @@ names the cause and the fix.
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
 
@@ -70,9 +71,20 @@ ACL_COMMANDS = (
 )
 
 
-def acl_setuser(user: str, prefix: str) -> str:
-    """The ``ACL SETUSER`` line that gives ``user`` exactly what the limiter needs."""
-    commands = " ".join(f"+{command}" for command in ACL_COMMANDS)
+#: How a command a script ran reads when the ACL refused it: Redis 6.2 and 7.0 say
+#: "The user executing the script can't run this command or subcommand" (no code, no
+#: command name), Valkey 8 "ACL failure in script: User u has no permissions to run the
+#: 'zadd' command", Redis 7.2+ the latter as a NOPERM error.
+SCRIPT_NOPERM = ("The user executing the script can't", "ACL failure in script")
+#: The command a NOPERM error names, if it does.
+_REFUSED = re.compile(r"permissions to run the '([^']+)' command")
+
+
+def acl_setuser(user: str, prefix: str, also: tuple[str, ...] = ()) -> str:
+    """The ``ACL SETUSER`` line that gives ``user`` exactly what the limiter needs, and
+    the commands ``also`` (what an operator's command needs besides: ``scan``)."""
+    wanted = [*ACL_COMMANDS, *(c for c in also if c not in ACL_COMMANDS)]
+    commands = " ".join(f"+{command}" for command in wanted)
     return f"ACL SETUSER {user} on >PASSWORD resetkeys ~{prefix}:* resetchannels -@all {commands}"
 
 
@@ -109,12 +121,14 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
         )
     if isinstance(exc, (errors.ConnectionError, errors.TimeoutError, *TRANSIENT_ERRORS)):
         return LimiterUnavailable(f"Redis failed during {doing}: {text}")
-    if isinstance(exc, errors.NoPermissionError):
+    if isinstance(exc, errors.NoPermissionError) or any(m in text for m in SCRIPT_NOPERM):
         name = user or "default"
+        # a command refused that the limiter's own list lacks (status and reset scan)
+        refused = _REFUSED.search(text)
         return LimiterMisconfigured(
             f"the limiter's Redis user {name!r} lacks a permission it needs ({text}) "
             f"during {doing}: give it every command the limiter uses and its key prefix: "
-            f"{acl_setuser(name, prefix)}"
+            f"{acl_setuser(name, prefix, (refused[1].lower(),) if refused else ())}"
         )
     if isinstance(exc, errors.InvalidResponse):
         return LimiterMisconfigured(

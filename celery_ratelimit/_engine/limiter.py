@@ -433,7 +433,7 @@ class Limiter(LimiterBase):
             for script in self._scripts.values():
                 self.client.script_load(script.script)
         except REDIS_ERRORS as exc:
-            error = self.translate(exc, "the limiter's first call")
+            error = self.translate(exc, self.failed_check())
             if isinstance(error, LimiterUnavailable) and isinstance(exc, redis.ConnectionError):
                 # a reset or a garbled reply: is that port another service's?
                 pool = getattr(self.client, "connection_pool", None)

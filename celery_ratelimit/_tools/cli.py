@@ -112,7 +112,7 @@ def limiter_from(app: Any, url: str | None, prefix: str | None) -> Limiter:
     """A limiter for the app's Redis and prefix, overridden by ``url`` / ``prefix``.
 
     Raises:
-        InvalidLimit: not a Redis URL, naming the option it came from.
+        InvalidRedisURL: not a Redis URL, naming the option it came from.
     """
     from .._celery.settings import redis_url, setting
 
@@ -123,7 +123,7 @@ def limiter_from(app: Any, url: str | None, prefix: str | None) -> Limiter:
             url or redis_url(app),
             prefix=prefix or (setting("ratelimit_key_prefix", app) if app else DEFAULT_PREFIX),
         )
-    except InvalidLimit as exc:
+    except (InvalidLimit, LimiterMisconfigured) as exc:  # InvalidRedisURL is the latter
         raise _named(exc, app, url) from exc
 
 

@@ -91,6 +91,7 @@ class Report:
             f"latest start after its grant   {self.max_lateness * 1000:.1f} ms",
             f"drain time / ideal             {self.drain_seconds:.2f}s / "
             f"{self.ideal_seconds:.2f}s = {ratio:.3f}",
+            f"  the ideal: {ideal_why(self.tasks, self.rate, self.burst)}",
             f"limiter calls per task         {calls:.2f}  ({self.deferrals} deferrals in all)",
         ]
 
@@ -112,6 +113,30 @@ def max_in_window(times_us: list[int], window_us: int) -> int:
     for i, t in enumerate(ordered):
         best = max(best, i + 1 - bisect.bisect_right(ordered, t - window_us))
     return best
+
+
+def progress_line(
+    starts: list[int], tasks: int, rate: Rate, elapsed: float, ideal: float, now_us: int = 0
+) -> str:
+    """The live line: executions so far, and the starts counted in the last window
+    against the limit. A count, never a rate over a window only partly passed (ten
+    starts in the first 0.2 s read as 50/s, over a limit of 10/s that held): it exceeds
+    the limit only if the limit did not hold. Until a whole window has passed since the
+    tasks were sent, the window holds every start so far, and says so.
+
+    ``starts``: µs of this machine's clock (the demo's Redis and workers run here);
+    ``now_us``: the instant to count back from (default: now)."""
+    now_us = now_us or time.time_ns() // 1000
+    recent = sum(1 for t in starts if t > now_us - rate.window_us)
+    where = f"in the last {rate.window:g}s" if elapsed >= rate.window else "so far"
+    executed = len(starts)
+    width = 30
+    filled = int(width * executed / max(tasks, 1))
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {executed}/{tasks} executed, "
+        f"{tasks - executed} waiting, {recent} started {where} (limit {rate.limit} per "
+        f"{rate.window:g}s), {elapsed:5.1f}s (ideal {ideal:.1f}s)"
+    )
 
 
 def windows_over_time(times_us: list[int], window_us: int) -> tuple[list[float], list[int]]:
@@ -138,6 +163,27 @@ def ideal_drain(tasks: int, rate: Rate, burst: int | None = None) -> float:
     return max(windows, max(0, tasks - burst) * rate.window / rate.limit)
 
 
+def ideal_why(tasks: int, rate: Rate, burst: int | None = None) -> str:
+    """How :func:`ideal_drain` comes about, in words: the windows the tasks fill and,
+    when paced, what the pace adds (each window's starts spread one every W/L after
+    the burst, so the last window's take longer than an unpaced burst)."""
+    windows = ideal_drain(tasks, rate)
+    full = max(0, math.ceil(tasks / rate.limit) - 1)
+    why = (
+        f"{tasks} tasks at {rate.limit} per {rate.window:g}s fill {full + 1} window(s): "
+        f"the last starts {windows:g}s after the first"
+    )
+    ideal = ideal_drain(tasks, rate, burst)
+    if burst is None or ideal <= windows:
+        return why
+    interval = rate.window / rate.limit
+    return (
+        f"{why}; paced, the {tasks - burst} after a burst of {burst} start one every "
+        f"{interval * 1000:g} ms, so the last starts {ideal:.2f}s after the first, "
+        f"{ideal - windows:.2f}s later than unpaced"
+    )
+
+
 class Demo:
     """Processes of one demo run; ``close`` stops them all."""
 
@@ -152,7 +198,6 @@ class Demo:
         self.redis: RedisServer | None = None
         self.broker: RedisServer | None = None
         self.workers: WorkerNodes | None = None
-        self._history: list[tuple[float, int]] = []
 
     def start(self) -> None:
         self.out.write("starting two private redis-servers (broker, limiter) ... ")
@@ -190,10 +235,10 @@ class Demo:
         for i in range(tasks):
             call_api.delay(i)
         ideal = ideal_drain(tasks, self.rate, self.burst)
-        executed = 0
-        while executed < tasks:
-            executed = int(client.llen(RUNS))
-            self._progress(executed, tasks, time.monotonic() - started, ideal)
+        starts: list[int] = []  # each execution's start (µs), in the order recorded
+        while len(starts) < tasks:
+            starts += [int(raw.split()[0]) for raw in client.lrange(RUNS, len(starts), -1)]
+            self._progress(starts, tasks, time.monotonic() - started, ideal)
             if time.monotonic() - started > ideal * 3 + 60:
                 logs = self.workers.logdir if self.workers else "?"
                 self.out.write(f"\ngave up waiting; see the worker logs in {logs}\n")
@@ -229,22 +274,8 @@ class Demo:
             burst=self.burst,
         )
 
-    def _progress(self, executed: int, tasks: int, elapsed: float, ideal: float) -> None:
-        # executions per second over the last window, against the limit
-        self._history.append((elapsed, executed))
-        # keep one sample at or before the window's start, so the span is a whole window
-        while len(self._history) > 2 and self._history[1][0] <= elapsed - self.rate.window:
-            self._history.pop(0)
-        t0, n0 = self._history[0]
-        rate = (executed - n0) / (elapsed - t0) if elapsed > t0 else 0.0
-        width = 30
-        filled = int(width * executed / max(tasks, 1))
-        per_second = self.rate.limit / self.rate.window
-        self.out.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {executed}/{tasks} executed, "
-            f"{tasks - executed} waiting, {rate:5.1f}/s over the last window "
-            f"(limit {per_second:g}/s), {elapsed:5.1f}s (ideal {ideal:.1f}s) "
-        )
+    def _progress(self, starts: list[int], tasks: int, elapsed: float, ideal: float) -> None:
+        self.out.write(f"\r{progress_line(starts, tasks, self.rate, elapsed, ideal)} ")
         self.out.flush()
 
     def close(self) -> None:
@@ -317,6 +348,8 @@ def main(
         demo.start()
         paced = f", paced with a burst of {burst}" if burst else ""
         out.write(f"sending {tasks} tasks limited to {parsed} in all{paced} (key 'metered-api')\n")
+        out.write(f"ideal drain {ideal_drain(tasks, parsed, burst):.2f}s: ")
+        out.write(f"{ideal_why(tasks, parsed, burst)}\n")
         report = demo.run(tasks)
     except KeyboardInterrupt:
         out.write("\ninterrupted; stopping everything\n")

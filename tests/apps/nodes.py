@@ -53,6 +53,7 @@ app.conf.update(
     ratelimit_park_after=None if PARK == "none" else PARK if PARK == "auto" else float(PARK),
     ratelimit_rules={
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
+        "tests.apps.nodes.reads_request_by_rules": Limit("1/s", key="reads-request"),
         # a typo no task's name matches: each node says so when it starts
         "tests.apps.nodes.via_rule": Limit(RATE, key="shared"),
         "tests.apps.nodes.shared_*": Limit(RATE, key="shared"),
@@ -132,6 +133,33 @@ _held_client: redis.Redis | None = None
 def via_base(self: Any, i: int) -> int:
     record(self, i=i)
     return i
+
+
+def request_read(task: Any) -> dict[str, Any]:
+    """What the README says a body reads of its request, read as attributes (no
+    ``getattr`` default): its deferrals and the Decision that let it run."""
+    decision = task.request.ratelimit_decision
+    return {
+        "deferrals": task.request.ratelimit_deferrals,
+        "decision": type(decision).__name__,
+        "allowed_or_reserved": bool(decision.allowed or decision.reserved),
+    }
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="reads-request"), bind=True)
+def reads_request_by_base(self: Any) -> dict[str, Any]:
+    return request_read(self)
+
+
+@ratelimit("1/s", key="reads-request")
+@app.task(bind=True)
+def reads_request_by_decorator(self: Any) -> dict[str, Any]:
+    return request_read(self)
+
+
+@app.task(bind=True)
+def reads_request_by_rules(self: Any) -> dict[str, Any]:
+    return request_read(self)
 
 
 #: A paced limit (Limit(burst=...)): 20 per 2 s, at most 2 at once, one every 100 ms.
