@@ -71,6 +71,9 @@ SMOKE = (
     "tests/test_celery_nodes.py::test_public_fallbacks_of_celery_internals_share_the_limit_the_same",
     "tests/test_celery_nodes.py::test_deferrals_never_use_up_max_retries_and_self_retry_still_works",
     "tests/test_request_copies.py::test_a_copy_of_a_request_reads_the_same_decision_and_carries_only_a_string",
+    "tests/test_deferred_headers.py::test_every_copy_carries_the_headers_it_was_sent_with[redis-none]",
+    "tests/test_deferred_headers.py::test_copies_in_a_chain_a_chord_and_stamped_keep_their_headers",
+    "tests/test_key_names.py",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[gevent-50-idle]",
     "tests/test_celery_nodes.py::test_every_pool_starts_bodies_within_the_shared_limit[eventlet-50-idle]",
 )
