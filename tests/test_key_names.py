@@ -128,7 +128,8 @@ async def _async_doors(url: str, prefix: str, rendered: str, allowed: set[str]) 
         found = {k.decode() async for k in limiter.client.scan_iter(f"{prefix}:*")}
         assert found <= allowed
     finally:
-        await limiter.client.aclose()
+        # redis-py 5.0.0 has close() only; later ones deprecate it for aclose()
+        await getattr(limiter.client, "aclose", limiter.client.close)()
 
 
 @pytest.mark.parametrize("override", ["3/m", "2/s"])  # of the limit's window, of another

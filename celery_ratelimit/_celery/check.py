@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
 
@@ -55,6 +56,13 @@ RETRIES_HEADER = "ratelimit_retries"
 #: request, not in it, since a copy of the request's attributes may become a message.
 DECISION_ATTR = "ratelimit_decision"
 attach(DECISION_ATTR)
+#: A body never deferred reads ``request.ratelimit_deferrals`` as 0, whatever context
+#: Celery built for it (an eager call's, a fresh one of ``Task.__call__``): a default on
+#: ``Context`` itself; a deferred copy's header sets the request's own value. (Celery
+#: then leaves the name out of the headers its ``self.retry()`` publishes: a retry
+#: counts its deferrals anew, as ``_token_header`` does.)
+if not hasattr(Context, DEFERRALS_HEADER):
+    setattr(Context, DEFERRALS_HEADER, 0)
 #: A start at most this far ahead (an early arrival, a reservation this close, a
 #: late task waiting for the window) is waited for in-process instead of being
 #: published again; the limiter counts it for that instant, so no second call follows.

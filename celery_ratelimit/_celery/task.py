@@ -77,15 +77,10 @@ def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None
         LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
     """
     request = task.request
-    if request.called_directly:
+    if request.is_eager or request.called_directly:
         return
     plan = plan_for(task)
     if plan is None:
-        return
-    if DEFERRALS_HEADER not in vars(request):
-        # the header comes with the first deferral; a body reads 0 until then
-        setattr(request, DEFERRALS_HEADER, 0)
-    if request.is_eager:
         return
     check = Check(task, plan, tuple(args), kwargs)
     token = _token_header(task, request)
