@@ -42,14 +42,18 @@ def lua_constant(script: str, name: str) -> float:
 
 
 def test_the_scripts_share_the_layouts_constants() -> None:
-    assert lua_constant("acquire", "ENTRY_FLOOR") == ENTRY_FLOOR
-    assert lua_constant("acquire", "TOKEN_LEN") == TOKEN_LEN
+    for name in ("acquire", "acquire_full"):
+        assert lua_constant(name, "ENTRY_FLOOR") == ENTRY_FLOOR
+        assert lua_constant(name, "PRUNE_BATCH") == lua_constant("acquire_full", "PRUNE_BATCH")
+        assert lua_constant(name, "TTL_MARGIN_MS") == lua_constant("acquire_full", "TTL_MARGIN_MS")
+    assert lua_constant("acquire_full", "TOKEN_LEN") == TOKEN_LEN
     members = ", ".join(f"'{m}'" for m in META_MEMBERS)
-    assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire")
+    assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire_full")
+    assert f"redis.call('ZMSCORE', k.key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
     assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
-    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire")
+    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire_full")
     assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
 
 
@@ -60,9 +64,12 @@ def test_a_call_of_sliding_limits_runs_no_calendar_or_concurrency_code() -> None
         assert "local function cal_" not in source(name), name
         assert "local function conc_" not in source(name), name
     assert "local function fair_place" not in source("acquire")
+    assert "local function fair_place" not in source("acquire_full")
     assert "local function fair_place" in source("acquire_fair")
     plain, fair = shape((Limit("10/s"),), 1), True
     assert (plain.script("acquire"), plain.script("acquire", fair)) == ("acquire", "acquire_fair")
+    for full in (shape((Limit("10/s"),), 2), shape((Limit("10/s", burst=2),), 1)):
+        assert full.script("acquire") == "acquire_full"
     for gated in (Limit("10/d", align="UTC"), Concurrency(2)):
         both = shape((Limit("10/s"), gated), 1)
         assert (both.script("start"), both.script("acquire", fair)) == (
@@ -83,9 +90,11 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
     settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
-    assert settings in source("acquire")
+    assert settings in source("acquire_full")
+    lean = f"redis.call('HMGET', KEYS[2 * n + i], '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
+    assert lean in source("acquire")
     assert f"'{UP_FIELD}', 1)" in source("observe")
-    assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source("acquire")
+    assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source("acquire_full")
     assert f"'{EFF_FIELD}' .. string.match" in source("observe")
 
 

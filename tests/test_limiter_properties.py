@@ -66,22 +66,35 @@ operation = st.tuples(
     st.integers(1, LIMIT),  # cost
     st.integers(0, 40),  # milliseconds to wait before the call
     st.booleans(),  # reserve when denied
+    st.booleans(),  # a cost-1 call decided by acquire_full.lua rather than acquire.lua
 )
 
 
+@pytest.mark.parametrize("uniform", [True, False], ids=["cost-1", "weighted"])
 @against_redis
 @given(ops=st.lists(operation, min_size=1, max_size=14))
 def test_the_log_decides_like_the_model_and_never_overfills_a_window(
-    limiter: Limiter, redis_client: redis.Redis, ops: list[tuple[int, int, bool]]
+    limiter: Limiter,
+    redis_client: redis.Redis,
+    uniform: bool,
+    ops: list[tuple[int, int, bool, bool]],
 ) -> None:
+    """Cost 1: the plain acquire.lua decides, or acquire_full.lua (which every weighted
+    call gets) on the same log, in any order: both keep the one model."""
     name = f"model-{next(_examples)}"
     key = limiter.keys_for(name, RATE)[0]
     log: list[tuple[int, int]] = []
     grants: list[tuple[int, int]] = []  # what started (no reservation is ever confirmed here)
     slots: list[tuple[int, int]] = []
-    for cost, wait_ms, reserve in ops:
+    plain = limiter._scripts["acquire"]
+    for cost, wait_ms, reserve, full in ops:
+        cost = 1 if uniform else cost
         time.sleep(wait_ms / 1000)
-        d = limiter.acquire(name, RATE, cost=cost, reserve=reserve)
+        limiter._scripts["acquire"] = limiter._scripts["acquire_full"] if full else plain
+        try:
+            d = limiter.acquire(name, RATE, cost=cost, reserve=reserve)
+        finally:
+            limiter._scripts["acquire"] = plain
         if d.allowed:
             now = us(d.at)
             if earliest_fit(log, now, cost) != now:

@@ -22,7 +22,7 @@ from .layout import key_glob, keys_among, stored_with
 from .limit import LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
-from .scripts import DEFAULT_HORIZON, shape
+from .scripts import DEFAULT_HORIZON, FULL, shape
 
 
 class AsyncLimiter(LimiterBase):
@@ -234,7 +234,10 @@ class AsyncLimiter(LimiterBase):
         if not self._checked:
             await self.check()
         try:
-            return await self._scripts[call.script](keys=call.keys, args=call.args)
+            reply = await self._scripts[call.script](keys=call.keys, args=call.args)
+            if call.script == "acquire" and reply[0] == FULL:
+                return await self._scripts["acquire_full"](keys=call.keys, args=call.args)
+            return reply
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
 

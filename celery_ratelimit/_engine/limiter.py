@@ -16,7 +16,7 @@ from .headers import Observation, parse
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
 from .rate import Rate
-from .scripts import DEFAULT_HORIZON, shape
+from .scripts import DEFAULT_HORIZON, FULL, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -476,12 +476,17 @@ class Limiter(LimiterBase):
             with self._check_lock:
                 if not self._checked:  # not checked by the call it waited for
                     self.check()
-        keys, args = call.keys, call.args
         try:
-            try:
-                return self._send("EVALSHA", script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                # loads the script, then runs it
-                return script(keys=keys, args=args)
+            reply = self._eval(script, call.keys, call.args)
+            if call.script == "acquire" and reply[0] == FULL:
+                return self._eval(self._scripts["acquire_full"], call.keys, call.args)
+            return reply
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
+
+    def _eval(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """``script``'s reply, sent on the held connection (loaded first if Redis lost it)."""
+        try:
+            return self._send("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return script(keys=keys, args=args)  # loads the script, then runs it

@@ -33,6 +33,7 @@ GATED = ("acquire", "start", "release", "settle", "counter")
 NAMES = (
     *GATED,
     *(f"{name}_gated" for name in GATED),
+    "acquire_full",
     "acquire_fair",
     "renew",
     "pause",
@@ -41,6 +42,9 @@ NAMES = (
     "park",
 )
 _INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)
+#: The reply of the plain ``acquire.lua`` to a call it leaves to ``acquire_full.lua``
+#: (a key an upstream was observed on, entries of other weights, an abandoned slot).
+FULL = 8
 #: Longest horizon accepted (seconds): a year, the longest window.
 MAX_HORIZON = 366 * 86_400.0
 #: Reservations are never made further ahead than this by default (seconds).
@@ -162,7 +166,18 @@ class Shape:
         gated)."""
         if self.gated:
             return f"{operation}_gated"
-        return f"{operation}_fair" if fair else operation
+        if fair:
+            return f"{operation}_fair"
+        if operation == "acquire" and not self.plain:
+            return "acquire_full"
+        return operation
+
+    @cached_property
+    def plain(self) -> bool:
+        """Sliding limits only, unpaced, at cost 1, with no lead: a call the plain
+        ``acquire.lua`` decides (and hands to ``acquire_full.lua`` only in the cases its
+        header names)."""
+        return not self.gated and not self.paces and self.lead == 0 and set(self.costs) <= {1}
 
     @cached_property
     def args(self) -> tuple[int, ...]:
