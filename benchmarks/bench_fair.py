@@ -130,7 +130,7 @@ def weighted(bench: Bench, name: str, each: int) -> dict[str, Any]:
         "heavy_share_while_both_wait": round(both.count("heavy") / max(len(both), 1), 3),
         "slots_counted": len(both),
         # tasks of the tenant that ran out first which started after that point: calls
-        # moved to the back by a swap (see docs/design.md, fair shares)
+        # moved to the back by a swap (see docs/timing.md, fair shares)
         "stragglers": sum(tenant == min(left, key=lambda t: left[t]) for tenant in ordered[end:]),
         "starts_over_limit": round(
             max_in_window([s for s, _, _ in rows], RATE.window_us) / RATE.limit, 2
