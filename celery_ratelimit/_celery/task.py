@@ -282,7 +282,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]
             # raised again with a fresh traceback: Celery's pool copies every frame of a
             # Retry's traceback (each frame's code positions, 600-700 for enforce and
             # Check.defer each), formats it and pickles it to the node's main process;
-            # the frames below this one cost 2-3 ms of CPU a deferral (docs/benchmarks.md)
+            # the frames below this one would cost milliseconds of CPU a deferral
             raise exc.with_traceback(None) from None
         super().before_start(task_id, args, kwargs)
 

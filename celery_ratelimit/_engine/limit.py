@@ -141,7 +141,7 @@ class Limit:
         fair_key: who shares the budget fairly when calls must wait (a template of the
             call's arguments such as ``"{tenant}"``, or a callable of them): waiting
             calls take the next slots in proportion to their values' ``fair_weight``,
-            not in arrival order (see docs/design.md, "Fair shares").
+            not in arrival order (see docs/timing.md, "Fair shares").
         fair_weight: a positive number, or a callable of ``(*args, **kwargs)`` returning
             one (priority classes: ``{"interactive": 9, "batch": 1}.get``).
 
@@ -210,7 +210,8 @@ class Limit:
 
     def __hash__(self) -> int:
         # computed once (see _validate): a limiter looks its limits up in its caches on
-        # every decision, and hashing the fields, the Rate's among them, costs ~0.4 us
+        # every decision, and hashing the fields (the Rate's among them) each time would
+        # cost more than the lookup
         value = self.__dict__.get("_hash")
         return hash(self._identity()) if value is None else value
 

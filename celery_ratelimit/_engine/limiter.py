@@ -108,15 +108,15 @@ class Limiter(LimiterBase):
                 (more than 0, at most a year). The counter algorithm reserves nothing.
             guard, hold: seconds; the options the Celery layer runs with
                 (``ratelimit_guard``, and the longest wait it makes in-process): see
-                docs/design.md. ``lease``: seconds a concurrency slot is held when its
+                docs/timing.md. ``lease``: seconds a concurrency slot is held when its
                 limit gives no lease.
             fair, fair_weight: for a Limit with a ``fair_key``, the call's value of it
                 (its plain ``fair_key`` when not given) and its weight (the Limit's
                 when not given): a reservation takes its place among the waiting calls
-                by weighted fair shares (docs/design.md, "Fair shares").
+                by weighted fair shares (docs/timing.md, "Fair shares").
             lead: seconds after now at which a grant is counted, for a body whose
                 first request is expected that much after its start (the Celery layer
-                on gevent and eventlet: docs/design.md, "A cold start on a green pool").
+                on gevent and eventlet: docs/timing.md, "A cold start on a green pool").
 
         Raises:
             InvalidLimit / InvalidRate / TypeError: bad limits or cost.
@@ -191,7 +191,7 @@ class Limiter(LimiterBase):
     ) -> Decision:
         """Start anew the call ``token`` that :meth:`acquire` granted, whose reply was read
         too late to start on (a busy event loop, a descheduled process): its entry moves
-        to where it really starts, as a late reservation's does (see docs/design.md).
+        to where it really starts, as a late reservation's does (see docs/timing.md).
 
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
