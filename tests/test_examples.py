@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
 from contextlib import nullcontext
 
 import pytest
@@ -15,14 +14,6 @@ from tests.examples_env import ROOT, env_for, run, workers
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.celery
-
-
-@pytest.fixture
-def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
-    broker, limiter = RedisServer(), RedisServer()
-    yield broker, limiter
-    broker.close()
-    limiter.close()
 
 
 def run_quota_example(
