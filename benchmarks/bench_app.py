@@ -190,16 +190,22 @@ def one_floor_call(self: Any) -> None:
 BODY = float(os.environ.get("CRL_BENCH_BODY", "0.2"))
 
 
-@app.task(base=RateLimitedTask, ratelimit=Concurrency(2, key="slots"), bind=True)
-def slotted(self: Any, key: str = "") -> None:
-    """A body holding a slot for BODY seconds; its span goes to ``bench:spans``."""
-    start = record(self)
+def hold_body(task: Any) -> None:
+    """A body of BODY seconds: the slots Redis holds as it starts go to ``bench:holders``
+    and its span to ``bench:spans``."""
+    start = record(task)
     assert _client is not None
     # the slots held as Redis has them when this body starts (the invariant: at most 2)
     _client.rpush("bench:holders", _client.zcard("bench:{slots}:conc:0:s"))
     time.sleep(BODY)
     end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
     _client.rpush("bench:spans", f"{start} {end}")
+
+
+@app.task(base=RateLimitedTask, ratelimit=Concurrency(2, key="slots"), bind=True)
+def slotted(self: Any, key: str = "") -> None:
+    """A body holding a slot for BODY seconds; its span goes to ``bench:spans``."""
+    hold_body(self)
 
 
 @app.task(
@@ -218,13 +224,7 @@ def upstream(self: Any, pause: float = 0.0) -> None:
 @app.task(bind=True)
 def plain_body(self: Any) -> None:
     """The anchor of row 12: the same body, no limit (one node of -c 2 caps it)."""
-    start = record(self)
-    assert _client is not None
-    # the slots held as Redis has them when this body starts (the invariant: at most 2)
-    _client.rpush("bench:holders", _client.zcard("bench:{slots}:conc:0:s"))
-    time.sleep(BODY)
-    end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
-    _client.rpush("bench:spans", f"{start} {end}")
+    hold_body(self)
 
 
 #: Row 9b: the first Redis command of a body, stamped by the server as it runs it.

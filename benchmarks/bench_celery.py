@@ -37,8 +37,8 @@ import kombu.pools
 
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
-from celery_ratelimit._tools.demo import max_in_window
 from celery_ratelimit._tools.embedded import RedisServer, WorkerNodes
+from tests.measure import max_in_window
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"

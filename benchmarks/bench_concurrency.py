@@ -35,19 +35,11 @@ from benchmarks.docs_tables import markdown
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
 from celery_ratelimit._engine.scripts import NAMES, source
+from tests.measure import most_at_once
 
 BODY = 0.2
 SLOTS = 2
 BACKLOG = 60
-
-
-def most_at_once(spans: list[tuple[int, int]]) -> int:
-    events = sorted([(s, 1) for s, _ in spans] + [(e, 0) for _, e in spans])
-    running = most = 0
-    for _, starting in events:
-        running += 1 if starting else -1
-        most = max(most, running)
-    return most
 
 
 class CallKinds:

@@ -29,16 +29,11 @@ from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.docs_tables import markdown
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
-from celery_ratelimit._tools.demo import max_in_window
+from tests.measure import max_in_window, server_us
 
 RATE = Rate.parse("10/s")
 B_AFTER = 3.0
 B_TASKS = 5
-
-
-def _now_us(client: Any) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1_000_000 + int(micros)
 
 
 def _collect(bench: Bench, name: str, count: int, timeout: float) -> list[tuple[int, int, str]]:
@@ -82,7 +77,7 @@ def neighbour(bench: Bench, name: str, a_tasks: int) -> dict[str, Any]:
     for _ in range(a_tasks):
         task.delay("A")
     time.sleep(B_AFTER)
-    sent_b = _now_us(bench.client)
+    sent_b = server_us(bench.client)
     for _ in range(B_TASKS):
         task.delay("B")
     count = a_tasks + B_TASKS

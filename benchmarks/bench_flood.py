@@ -33,7 +33,7 @@ from typing import Any
 from benchmarks.bench_celery import RESULTS, Bench
 from benchmarks.bench_pools import busy_core
 from celery_ratelimit._engine.rate import Rate
-from celery_ratelimit._tools.demo import max_in_window
+from tests.measure import max_in_window
 
 POOLS = (("gevent", 50), ("eventlet", 50))
 RATE = "10/s"

@@ -33,8 +33,8 @@ from benchmarks.docs_tables import markdown
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
-from celery_ratelimit._tools.demo import max_in_window
 from celery_ratelimit._tools.embedded import RedisServer
+from tests.measure import max_in_window
 
 TASKS = 60
 INTERVAL_US = 100_000

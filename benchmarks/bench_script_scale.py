@@ -29,6 +29,7 @@ from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.base import ALLOWED, STARTS_AT
 from celery_ratelimit._engine.scripts import MAX_HORIZON, shape
 from celery_ratelimit._tools.embedded import RedisServer
+from tests.measure import server_us
 
 #: Each call timed: the entry script and its flag (see each ``lua/*.lua`` header).
 ACQUIRE, RESERVE, PEEK = ("acquire", "now"), ("acquire", "reserve"), ("acquire", "peek")
@@ -180,8 +181,7 @@ def confirm_due(client: redis.Redis, limiter: Limiter, limits: tuple[int, ...]) 
     client.config_set("slowlog-max-len", 100_000)
     client.slowlog_reset()
     while due:
-        seconds, micros = client.time()
-        now = seconds * 1_000_000 + micros
+        now = server_us(client)
         ready = [one for one in due if one[0] <= now]
         if not ready:
             time.sleep(min(max((due[0][0] - now) / 1_000_000, 0.0005), 1.0))

@@ -26,7 +26,6 @@ ERP answers 429 to every n-th request).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,12 +33,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from celery import Celery
 
 from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited
+from examples.harness import produce_command, serve
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
@@ -111,30 +110,11 @@ class ERP:
         return 200, {}, json.dumps({"tenant": tenant, "page": page})
 
 
-def serve(erp: ERP) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            query = dict(p.split("=", 1) for p in self.path.split("?", 1)[1].split("&"))
-            status, headers, body = erp.handle(query["tenant"], int(query["page"]))
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body.encode())
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", ERP_PORT), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def produce(pages: int, timeout: float = 120.0) -> int:
     """Start the ERP, send ``pages`` pages per tenant, wait until every page is synced,
     and report what the ERP saw."""
     erp = ERP()
-    server = serve(erp)
+    server = serve(ERP_PORT, lambda q: erp.handle(q["tenant"], int(q["page"])))
     try:
         for page in range(pages):
             for tenant in TENANTS:
@@ -163,13 +143,7 @@ def produce(pages: int, timeout: float = 120.0) -> int:
     return 0 if held else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.erp_sync")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("produce", help="start the ERP, sync every tenant, report")
-    p.add_argument("--pages", type=int, default=ERP_PAGES)
-    args = parser.parse_args(argv)
-    return produce(args.pages)
+main = produce_command(produce, "pages", ERP_PAGES, "start the ERP, sync every tenant, report")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Environment: ``CELERY_BROKER_URL`` (default ``redis://localhost:6379/1``),
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -40,13 +39,13 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from celery import Celery
 
 import celery_ratelimit
 from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited
+from examples.harness import produce_command, serve
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
@@ -151,30 +150,11 @@ class LLM:
             return 200, self._headers(time.time()), json.dumps({"usage": usage})
 
 
-def serve(llm: LLM) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            query = dict(p.split("=", 1) for p in self.path.split("?", 1)[1].split("&"))
-            status, headers, body = llm.handle(int(query["i"]), query["task"])
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body.encode())
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", LLM_PORT), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def produce(prompts: int, timeout: float = 120.0) -> int:
     """Start the LLM, send ``prompts`` completions, wait until every one is answered,
     and report what the LLM saw."""
     llm = LLM()
-    server = serve(llm)
+    server = serve(LLM_PORT, lambda q: llm.handle(int(q["i"]), q["task"]))
     try:
         ids = {complete.delay(i).id for i in range(prompts)}
         print(f"sent {prompts} prompts; the LLM allows {LLM_RPS}/s and {LLM_TPS} tokens/s")
@@ -195,13 +175,7 @@ def produce(prompts: int, timeout: float = 120.0) -> int:
     return 0 if once else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.llm_budget")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("produce", help="start the LLM, send the prompts, report")
-    p.add_argument("--prompts", type=int, default=LLM_PROMPTS)
-    args = parser.parse_args(argv)
-    return produce(args.prompts)
+main = produce_command(produce, "prompts", LLM_PROMPTS, "start the LLM, send the prompts, report")
 
 
 if __name__ == "__main__":

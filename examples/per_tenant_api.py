@@ -18,17 +18,16 @@ Environment: ``CELERY_BROKER_URL`` (default ``redis://localhost:6379/1``),
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import os
 import sys
-import time
 from typing import Any
 
 import redis
 from celery import Celery
 
 from celery_ratelimit import Limit, Rate, RateLimitedTask
+from examples.harness import produce_command, wait_for_records
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
@@ -88,12 +87,8 @@ def produce(calls: int, timeout: float = 120.0) -> int:
                 call_api.delay(tenant, f"/v1/items/{n}")
     total = sum(sent.values())
     print(f"sent {total} calls for {len(TENANTS)} tenants, limit {TENANT_RATE} each")
-    deadline = time.monotonic() + timeout
-    while (done := client.llen(RUNS)) < total:
-        if time.monotonic() > deadline:
-            print(f"timed out: {done} of {total} calls executed", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
+    if not wait_for_records(client, RUNS, total, timeout):
+        return 1
     grants: dict[str, list[int]] = {tenant: [] for tenant in TENANTS}
     for raw in client.lrange(RUNS, 0, -1):
         tenant, at = raw.decode().split()  # type: ignore[union-attr]
@@ -111,13 +106,7 @@ def produce(calls: int, timeout: float = 120.0) -> int:
     return 0 if held else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.per_tenant_api")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("produce", help="send calls for every tenant and report")
-    p.add_argument("--calls", type=int, default=TENANT_CALLS)
-    args = parser.parse_args(argv)
-    return produce(args.calls)
+main = produce_command(produce, "calls", TENANT_CALLS, "send calls for every tenant and report")
 
 
 if __name__ == "__main__":

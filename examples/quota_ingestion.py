@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -43,6 +42,7 @@ import redis
 from celery import Celery
 
 from celery_ratelimit import Limit, Rate, RateLimitedTask
+from examples.harness import wait_for_records
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://localhost:6379/1")
 REDIS_URL = os.environ.get("RATELIMIT_REDIS_URL", "redis://localhost:6379/0")
@@ -206,12 +206,8 @@ def main(timeout: float = 120.0) -> int:
     client.delete(RUNS)
     total = sum(regional_job(region) for region in REGIONS)
     print(f"sent {total} calls from {len(REGIONS)} regional jobs; waiting for the workers")
-    deadline = time.monotonic() + timeout
-    while (done := client.llen(RUNS)) < total:
-        if time.monotonic() > deadline:
-            print(f"timed out: {done} of {total} calls executed", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
+    if not wait_for_records(client, RUNS, total, timeout):
+        return 1
     runs = []
     for raw in client.lrange(RUNS, 0, -1):
         t, endpoint, region = raw.decode().split()  # type: ignore[union-attr]

@@ -29,6 +29,16 @@ def redis_url(redis_server: RedisServer) -> str:
 
 
 @pytest.fixture
+def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """Two private redis-servers for one test: a broker (which also keeps the execution
+    records) and the limiter's Redis."""
+    broker, limiter = RedisServer(), RedisServer()
+    yield broker, limiter
+    broker.close()
+    limiter.close()
+
+
+@pytest.fixture
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client

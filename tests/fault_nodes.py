@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from tests.log_reader import max_in_window
+from tests.measure import max_in_window
+from tests.nodes import wait_for_records
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.faults"
@@ -224,14 +224,11 @@ class Fleet:
     ) -> list[dict[str, Any]]:
         """Start records of ``ids`` once every one ran (``settle`` s more to catch a
         duplicate), or whatever ran by ``timeout``."""
-        wanted = set(ids)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if {r["id"] for r in self.runs() if not r.get("done")} >= wanted:
-                time.sleep(settle)
-                break
-            time.sleep(0.1)
-        return [r for r in self.runs() if r["id"] in wanted and not r.get("done")]
+
+        def starts() -> list[dict[str, Any]]:
+            return [r for r in self.runs() if not r.get("done")]
+
+        return wait_for_records(starts, ids, timeout, settle)
 
     def grep(self, needle: str) -> list[str]:
         return [line for node in self.nodes for line in node.grep(needle)]
@@ -259,15 +256,9 @@ def print_on_failure(request: Any, fleet: Fleet) -> None:
         print(fleet.logs())
 
 
-def unique_prefix(name: str) -> str:
-    """A key prefix unique to one test (letters, digits and dashes only)."""
-    base = "".join(c if c.isalnum() else "-" for c in name)[:40].strip("-")
-    return f"crl-{base}-{uuid.uuid4().hex[:6]}"
-
-
 def max_grants(runs: Iterable[dict[str, Any]], window_us: int) -> int:
     """Most grants (limiter's Redis clock) in any window ``(t - W, t]``."""
-    return max_in_window([(r["granted"], 1) for r in runs if r["granted"] is not None], window_us)
+    return max_in_window([r["granted"] for r in runs if r["granted"] is not None], window_us)
 
 
 _TASK_LINE = re.compile(r"\] Task \S+\[([0-9a-f-]+)\] (received|succeeded|retry|raised)")

@@ -13,7 +13,6 @@ worker's clock.
 
 from __future__ import annotations
 
-import bisect
 import gc
 import json
 import os
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,54 +272,28 @@ class Nodes:
     ) -> list[dict[str, Any]]:
         """Records of ``ids`` once every one has run (then ``settle`` s more, to catch a
         duplicate), or whatever ran by ``timeout``."""
-        wanted = set(ids)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            mine = [r for r in self.runs() if r["id"] in wanted]
-            if {r["id"] for r in mine} >= wanted:
-                time.sleep(settle)
-                break
-            time.sleep(0.1)
-        return [r for r in self.runs() if r["id"] in wanted]
+        return wait_for_records(self.runs, ids, timeout, settle)
+
+
+def wait_for_records(
+    read: Callable[[], list[dict[str, Any]]],
+    ids: Iterable[str],
+    timeout: float,
+    settle: float = 0.5,
+) -> list[dict[str, Any]]:
+    """The records ``read()`` returns for ``ids`` once every id is among them (then
+    ``settle`` s more, to catch a duplicate), or whatever is there by ``timeout``."""
+    wanted = set(ids)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if {r["id"] for r in read()} >= wanted:
+            time.sleep(settle)
+            break
+        time.sleep(0.1)
+    return [r for r in read() if r["id"] in wanted]
 
 
 # -- numbers from the records ---------------------------------------------------------
-
-
-def max_in_window(
-    times_us: Iterable[int], window_us: int, weights: Iterable[int] | None = None
-) -> int:
-    """Largest total weight of events in any half-open window ``(t - W, t]``."""
-    times = list(times_us)
-    ws = list(weights) if weights is not None else [1] * len(times)
-    ordered = sorted(zip(times, ws, strict=True))
-    ts = [t for t, _ in ordered]
-    sums = [0]
-    for _, w in ordered:
-        sums.append(sums[-1] + w)
-    best = 0
-    for t in ts:
-        hi = bisect.bisect_right(ts, t)
-        lo = bisect.bisect_right(ts, t - window_us)
-        best = max(best, sums[hi] - sums[lo])
-    return best
-
-
-def percentiles(
-    values: Sequence[float], points: Sequence[int] = (0, 50, 90, 99, 100)
-) -> dict[int, float]:
-    """Nearest-rank percentiles of ``values``."""
-    ordered = sorted(values)
-    if not ordered:
-        return {}
-    return {p: ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in points}
-
-
-def ideal_drain_us(tasks: int, limit: int, window_us: int, cost: int = 1) -> int:
-    """Shortest possible time from the first grant to the last one for ``tasks`` calls
-    of ``cost`` under ``limit`` per window: one full window between bursts."""
-    per_window = limit // cost
-    return (-(-tasks // per_window) - 1) * window_us
 
 
 def evalsha_calls(client: redis.Redis) -> int:

@@ -26,7 +26,8 @@ from celery_ratelimit import Concurrency, InvalidLimit, Limit, Limiter
 from celery_ratelimit._engine.calendar import DAY, HOUR, MINUTE, next_start, window_start
 from celery_ratelimit._engine.layout import ENTRY_FLOOR, redis_key
 from celery_ratelimit._tools.embedded import SERVER_ENV, bundled_binary, free_port
-from tests.log_reader import server_us, sleep_until, us
+from tests.log_reader import sleep_until
+from tests.measure import server_us, us
 from tests.minute_clock import faked_server
 
 FAKETIME = shutil.which("faketime")

@@ -33,15 +33,13 @@ from celery_ratelimit._engine.layout import PENDING
 from tests.apps.nodes import CAP, FAIR_RATE, MATH, PUSHED, QUOTA
 from tests.calls import RESTAMP, decide
 from tests.log_reader import entries as log_entries
-from tests.log_reader import sleep_until, us
+from tests.log_reader import sleep_until
+from tests.measure import ideal_drain_us, max_in_window, percentiles, server_us, us
 from tests.nodes import (
     RABBITMQ_URL,
     Nodes,
     evalsha_calls,
-    ideal_drain_us,
-    max_in_window,
     node_set,
-    percentiles,
     require_rabbitmq,
     unique_prefix,
 )
@@ -363,8 +361,7 @@ def test_a_tenant_behind_another_tenants_backlog_gets_its_fair_share(nodes: Node
     a_ids = [nodes.send("fair_tenant", "A", i).id for i in range(40)]
     time.sleep(0.5)  # A's tasks have their slots
     with nodes.redis() as client:
-        seconds, micros = client.time()
-    sent_b = int(seconds) * 1_000_000 + int(micros)
+        sent_b = server_us(client)
     b_ids = [nodes.send("fair_tenant", "B", i).id for i in range(3)]
     runs = nodes.wait_for_runs(a_ids + b_ids, timeout=40)
     check_backlog(nodes, a_ids + b_ids, runs, FAIR_RATE, "fair shares")

@@ -22,7 +22,7 @@ from celery_ratelimit import (
 )
 from celery_ratelimit._engine.layout import AVERAGE
 from celery_ratelimit._engine.upstream import seconds_from
-from tests.log_reader import server_us
+from tests.measure import server_us
 
 
 def holders(limiter: Limiter, key: str, limit: Concurrency) -> list[bytes]:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from celery_ratelimit import Concurrency, Limiter
-from tests.nodes import Nodes
+from tests.measure import most_at_once, server_us
+from tests.nodes import Nodes, wait_for_records
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 
@@ -35,23 +36,9 @@ def bodies(nodes: Nodes, ids: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def most_at_once(spans: list[tuple[int, int]]) -> int:
-    """The most spans open at one instant (an end before a start at the same instant)."""
-    events = sorted([(s, 1) for s, _ in spans] + [(e, 0) for _, e in spans])
-    running = most = 0
-    for _, starting in events:
-        running += 1 if starting else -1
-        most = max(most, running)
-    return most
-
-
 def wait_for(nodes: Nodes, ids: list[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len({e["id"] for e in nodes.ends()} & set(ids)) >= len(set(ids)):
-            time.sleep(0.5)
-            return
-        time.sleep(0.1)
+    """Until every one of ``ids`` noted its end (then 0.5 s more), or ``timeout``."""
+    wait_for_records(nodes.ends, ids, timeout)
 
 
 def drain_slots(nodes: Nodes, task: str, count: int, timeout: float = 90) -> dict[str, Any]:
@@ -116,8 +103,7 @@ def test_a_killed_workers_slot_comes_back_after_its_lease(
     run = next(r for r in nodes.runs() if r["id"] == first)
     victim = next(i for i, p in enumerate(nodes.procs) if f"node{i + 1}-" in run["hostname"])
     time.sleep(0.5)  # past its first renewal or not: either way the lease is 3 s
-    seconds, micros = client.time()
-    killed = seconds * 1_000_000 + micros
+    killed = server_us(client)
     os.killpg(nodes.procs[victim].pid, signal.SIGKILL)
     second = nodes.send("leased", 1, 0.1).id
     wait_for(nodes, [second], 30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
 from contextlib import nullcontext
 
 import pytest
@@ -17,12 +16,13 @@ from tests.redis_server import RedisServer, free_port
 pytestmark = pytest.mark.celery
 
 
-@pytest.fixture
-def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
-    broker, limiter = RedisServer(), RedisServer()
-    yield broker, limiter
-    broker.close()
-    limiter.close()
+def run_example(module: str, env: dict[str, str], *args: str) -> str:
+    """Run ``python -m <module> [args]`` against two ``celery worker`` nodes of it; its
+    output, once it exited 0."""
+    with workers(module, env, count=2):
+        result = run(sys.executable, "-m", module, *args, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
 
 
 def run_quota_example(
@@ -67,12 +67,10 @@ def test_per_tenant_api_keeps_each_tenant_within_its_own_limit(
     servers: tuple[RedisServer, RedisServer],
 ) -> None:
     env = env_for(*servers, TENANT_RATE="5/s", TENANT_CALLS="8")
-    with workers("examples.per_tenant_api", env, count=2):
-        result = run(sys.executable, "-m", "examples.per_tenant_api", "produce", env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    out = run_example("examples.per_tenant_api", env, "produce")
     rows = re.findall(
         r"^(\w+)\s+(\d+) calls in\s+([\d.]+)s, most in any window (\d+) \(limit 5\)",
-        result.stdout,
+        out,
         re.M,
     )
     assert {r[0]: int(r[1]) for r in rows} == {"acme": 24, "globex": 8, "initech": 8}
@@ -83,17 +81,14 @@ def test_per_tenant_api_keeps_each_tenant_within_its_own_limit(
     assert spans["acme"] >= 3.8
     # ... while the others are not held up behind it (8 calls at 5/s: one window more)
     assert spans["globex"] < spans["acme"] and spans["initech"] < spans["acme"]
-    assert "every tenant stayed within its limit" in result.stdout
+    assert "every tenant stayed within its limit" in out
 
 
 def test_erp_sync_holds_one_session_per_tenant_and_honours_the_erps_429s(
     servers: tuple[RedisServer, RedisServer],
 ) -> None:
     env = env_for(*servers, ERP_PORT=str(free_port()), ERP_PAGES="6", ERP_BUSY_EVERY="7")
-    with workers("examples.erp_sync", env, count=2):
-        result = run(sys.executable, "-m", "examples.erp_sync", "produce", env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = run_example("examples.erp_sync", env, "produce")
     assert "pages synced                     18 of 18" in out
     assert "most open sessions of one tenant 1 (the ERP allows 1)" in out
     refused = int(re.search(r"429s answered\s+(\d+)", out)[1])  # type: ignore[index]
@@ -106,10 +101,7 @@ def test_llm_budget_follows_what_the_llm_reports(
     servers: tuple[RedisServer, RedisServer],
 ) -> None:
     env = env_for(*servers, LLM_PORT=str(free_port()), LLM_PROMPTS="24")
-    with workers("examples.llm_budget", env, count=2):
-        result = run(sys.executable, "-m", "examples.llm_budget", "produce", env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = run_example("examples.llm_budget", env, "produce")
     assert "prompts answered                 24 of 24" in out
     assert "answered twice                   0" in out
     assert re.search(r"429s answered\s+\d+", out)
@@ -122,17 +114,13 @@ def test_existing_project_gets_rules_without_touching_its_tasks(
     source = (ROOT / "examples" / "existing_project" / "tasks.py").read_text()
     assert "celery_ratelimit" not in source and "ratelimit" not in source
     env = env_for(*servers)
-    with workers("examples.existing_project", env, count=2):
-        result = run(sys.executable, "-m", "examples.existing_project", env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    billing = re.search(
-        r"billing:api \(sync_\*\)\s+(\d+) runs, most in any second (\d+)", result.stdout
-    )
-    email = re.search(r"send_email\s+(\d+) runs, most in any second (\d+)", result.stdout)
-    assert billing and email, result.stdout
+    out = run_example("examples.existing_project", env)
+    billing = re.search(r"billing:api \(sync_\*\)\s+(\d+) runs, most in any second (\d+)", out)
+    email = re.search(r"send_email\s+(\d+) runs, most in any second (\d+)", out)
+    assert billing and email, out
     assert int(billing[1]) == 12 and 1 <= int(billing[2]) <= 4  # both tasks, one budget of 4/s
     assert int(email[1]) == 6 and 1 <= int(email[2]) <= 2
-    assert "the rules held" in result.stdout
+    assert "the rules held" in out
 
 
 def test_quota_ingestion_on_the_pacific_clock_spends_at_most_the_quota_per_window(

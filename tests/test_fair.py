@@ -31,7 +31,7 @@ from celery_ratelimit._engine.layout import FAIR_STATE, FAIR_TAGS, PENDING, log_
 from celery_ratelimit._engine.limit import to_limits
 from celery_ratelimit._tools.explain import explain, format_explanation
 from celery_ratelimit._tools.ops import format_status, status
-from tests.nodes import max_in_window
+from tests.measure import max_in_window, server_us
 
 
 @pytest.mark.parametrize("weight", [0, -1, math.nan, math.inf, "2", True, None])
@@ -155,8 +155,7 @@ def test_nobody_waiting_writes_no_queue_and_explain_reads_the_place(
     key = limiter.keys_for("provider", limit)[0]
     assert not limiter.client.exists(key + FAIR_TAGS, key + FAIR_STATE)
     _reserve(limiter, limit, ["A"] * 10, {})
-    seconds, micros = limiter.client.time()
-    place = place_of(limiter.client, key, "B", 1.0, 1, seconds * 1_000_000 + micros)
+    place = place_of(limiter.client, key, "B", 1.0, 1, server_us(limiter.client))
     assert (place.ahead, place.waiting) == (2, 10)  # A tagged 1 and 2, B 2: after them
     app = Celery("fair-explain", set_as_current=False)
     app.conf.update(ratelimit_redis_url=redis_url, ratelimit_key_prefix=limiter.prefix)

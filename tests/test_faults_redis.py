@@ -14,11 +14,13 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from celery_ratelimit import Limiter, LimiterUnavailable
-from tests.fault_nodes import Fleet, max_grants, print_on_failure, tally, unique_prefix
+from tests.fault_nodes import Fleet, max_grants, print_on_failure, tally
+from tests.nodes import unique_prefix
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
@@ -96,6 +98,24 @@ def budget(runs: list[dict[str, object]]) -> int:
     return max_grants(runs, WINDOW_US)
 
 
+def limiter_up(servers: tuple[RedisServer, RedisServer]) -> RedisServer:
+    """The limiter's Redis, started again if an earlier test left it down."""
+    _broker, limiter = servers
+    if limiter.proc is None:
+        limiter.start()
+    return limiter
+
+
+def ran_once(
+    fleet: Fleet, ids: list[str], timeout: float
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The runs of ``ids`` and their tally, once all ran: none lost, none run twice."""
+    runs = fleet.wait_for_runs(ids, timeout)
+    counts = tally(ids, runs)
+    assert counts["lost"] == counts["duplicated"] == 0, counts
+    return runs, counts
+
+
 def test_redis_down_at_worker_start_each_policy_then_back(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer]
 ) -> None:
@@ -130,9 +150,7 @@ def test_redis_down_at_worker_start_each_policy_then_back(
 
     back = time.monotonic()
     limiter.start()
-    runs = fleet.wait_for_runs(defer, 20)
-    counts = tally(defer, runs)
-    assert counts["lost"] == counts["duplicated"] == 0, counts
+    runs, counts = ran_once(fleet, defer, 20)
     assert budget(runs) <= LIMIT
     assert not failed(fleet, defer)
     print(
@@ -147,9 +165,7 @@ def test_redis_down_at_worker_start_each_policy_then_back(
 def test_redis_down_mid_run_each_policy(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer]
 ) -> None:
-    _broker, limiter = servers
-    if limiter.proc is None:
-        limiter.start()
+    limiter = limiter_up(servers)
     never_before = len(fleet.grep("nothing answered"))
     defer = send(fleet, "defer", 30, 100)
     time.sleep(1.2)
@@ -160,9 +176,7 @@ def test_redis_down_mid_run_each_policy(
     assert wait_until(lambda: {r["id"] for r in fleet.runs()} >= set(allow), 15)
     down_runs = len([r for r in fleet.runs() if r["id"] in defer])
     limiter.start()
-    runs = fleet.wait_for_runs(defer, 25)
-    counts = tally(defer, runs)
-    assert counts["lost"] == counts["duplicated"] == 0, counts
+    runs, counts = ran_once(fleet, defer, 25)
     assert not failed(fleet, defer)
     # a limiter that had answered is down for now: no ERROR about its URL
     assert len(fleet.grep("nothing answered")) == never_before
@@ -182,9 +196,7 @@ def test_redis_down_mid_run_each_policy(
 def test_a_hung_redis_costs_each_task_a_bounded_time(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer]
 ) -> None:
-    _broker, limiter = servers
-    if limiter.proc is None:
-        limiter.start()
+    limiter = limiter_up(servers)
     assert limiter.proc is not None
     pid = limiter.proc.pid
     warnings_before = len(fleet.grep("Redis unavailable"))
@@ -202,9 +214,7 @@ def test_a_hung_redis_costs_each_task_a_bounded_time(
     finally:
         os.kill(pid, signal.SIGCONT)
     assert allow_delay < HUNG_BOUND + 5, allow_delay
-    runs = fleet.wait_for_runs(defer, 20)
-    counts = tally(defer, runs)
-    assert counts["lost"] == counts["duplicated"] == 0
+    _runs, counts = ran_once(fleet, defer, 20)
     print(
         f"\n[hung Redis, SIGSTOP] allow tasks ran {allow_delay:.2f}s after sending "
         f"(bound {HUNG_BOUND}s); raise: {len(fail)} failed; defer: {counts} after SIGCONT "
@@ -217,9 +227,7 @@ def test_a_hung_redis_costs_each_task_a_bounded_time(
 def test_restart_and_script_flush_mid_stream_lose_nothing(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer]
 ) -> None:
-    _broker, limiter = servers
-    if limiter.proc is None:
-        limiter.start()
+    limiter = limiter_up(servers)
     failures_before = len(fleet.grep("raised unexpected"))
     ids = send(fleet, "defer", 40, 300)
     time.sleep(1.0)
@@ -228,9 +236,7 @@ def test_restart_and_script_flush_mid_stream_lose_nothing(
     limiter.stop()  # a restart: no grant is made between these two lines
     restarted = time.time()
     limiter.start()
-    runs = fleet.wait_for_runs(ids, 30)
-    counts = tally(ids, runs)
-    assert counts["lost"] == counts["duplicated"] == 0, counts
+    runs, counts = ran_once(fleet, ids, 30)
     assert len(fleet.grep("raised unexpected")) == failures_before
     restart_us = int(restarted * 1_000_000)
     before = [r for r in runs if r["granted"] < restart_us]

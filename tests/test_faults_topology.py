@@ -30,14 +30,8 @@ import redis
 
 from celery_ratelimit import InvalidLimit, Limit, Limiter
 from celery_ratelimit._tools.embedded import start_cluster
-from tests.fault_nodes import (
-    Fleet,
-    deferred_ids,
-    max_grants,
-    print_on_failure,
-    tally,
-    unique_prefix,
-)
+from tests.fault_nodes import Fleet, deferred_ids, max_grants, print_on_failure, tally
+from tests.nodes import unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]

@@ -28,21 +28,12 @@ from tests.fault_nodes import (
     max_grants,
     print_on_failure,
     tally,
-    unique_prefix,
 )
-from tests.nodes import RABBITMQ_URL, percentiles, require_rabbitmq
+from tests.measure import percentiles
+from tests.nodes import RABBITMQ_URL, require_rabbitmq, unique_prefix
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(420)]
-
-
-@pytest.fixture
-def servers() -> Iterator[tuple[RedisServer, RedisServer]]:
-    """A broker (which also keeps the execution records) and the limiter's Redis."""
-    broker, limiter = RedisServer(), RedisServer()
-    yield broker, limiter
-    broker.close()
-    limiter.close()
 
 
 def running_fleet(

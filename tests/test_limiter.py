@@ -15,12 +15,22 @@ import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
 from tests.calls import ACQUIRE, CONFIRM, RESTAMP, decide
-from tests.log_reader import entries, max_in_window, server_us, sleep_until, total, us
+from tests.log_reader import entries, sleep_until, total
+from tests.measure import max_in_window, max_weight_in_window, server_us, us
 from tests.redis_server import RedisServer, free_port
 
 
 def log_key(limiter: Limiter, key: str, limit: Limit) -> str:
     return limiter.keys_for(key, [limit])[0]
+
+
+def held_slot(limiter: Limiter, name: str, rate: Limit) -> Decision:
+    """Spend the whole budget of ``rate`` on ``name``, then reserve the next slot."""
+    for _ in range(rate.rate.limit):
+        assert limiter.acquire(name, rate).allowed
+    held = limiter.acquire(name, rate, reserve=True)
+    assert held.reserved and held.token
+    return held
 
 
 # -- the window invariant ----------------------------------------------------------------
@@ -65,7 +75,7 @@ def test_four_processes_never_put_more_than_the_limit_into_any_window(
         assert before <= at <= after
     times = [at for _, at, _ in grants]
     assert len(set(times)) == len(times)  # one grant per instant: Redis runs one script at a time
-    worst = max_in_window(((t, 1) for t in times), window_us)
+    worst = max_in_window(times, window_us)
     elapsed = max(end for _, end, _, _ in results) - min(first for first, _, _, _ in results)
     ideal = limit * elapsed / window_us
     calls = sum(c for _, _, c, _ in results)
@@ -109,9 +119,9 @@ def test_fixed_window_lets_twice_the_limit_through_a_boundary_the_log_exactly_th
     burst()
 
     assert len(naive_times) == 2 * limit
-    assert max_in_window(((t, 1) for t in naive_times), window_us) == 2 * limit
+    assert max_in_window(naive_times, window_us) == 2 * limit
     assert len(log_times) == limit
-    assert max_in_window(((t, 1) for t in log_times), window_us) == limit
+    assert max_in_window(log_times, window_us) == limit
 
 
 # -- retry-after ---------------------------------------------------------------------------
@@ -274,7 +284,7 @@ def test_counter_overshoot_is_bounded_and_the_log_never_overshoots(
             decision = limiter.acquire("same-traffic", rate)
             if decision.allowed:
                 grants[name].append((us(decision.at), 1))
-    worst = {name: max_in_window(g, window_us) for name, g in grants.items()}
+    worst = {name: max_weight_in_window(g, window_us) for name, g in grants.items()}
     print(
         f"\nsame traffic, limit {limit}: grants {[len(g) for g in grants.values()]}, "
         f"worst window log {worst['log']}, counter {worst['counter']}"
@@ -354,7 +364,7 @@ def test_reservations_never_overfill_any_window(
     assert [slots[i] - slots[i - 3] for i in range(3, 12)] == [300_000] * 9
     log = entries(redis_client, key)
     assert [t for t, _ in log] == slots
-    assert max_in_window(log, 300_000) == 3
+    assert max_weight_in_window(log, 300_000) == 3
     assert total(redis_client, key) == 12
     assert redis_client.pttl(key) > 300 * 3  # kept until the last reservation has left
 
@@ -378,7 +388,7 @@ def test_a_led_grant_is_counted_later_and_the_next_window_comes_after_it(
     # first led entry, and no window holds more than the limit
     denied = limiter.acquire("led", rate, lead=lead, reserve=True)
     assert denied.reserved and us(denied.at) == log[0][0] + 300_000
-    assert max_in_window(entries(redis_client, key), 300_000) == 3
+    assert max_weight_in_window(entries(redis_client, key), 300_000) == 3
     with pytest.raises(InvalidLimit, match="lead"):
         limiter.acquire("led", rate, lead=-1.0)
 
@@ -387,11 +397,7 @@ def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
     rate = Limit("2/300ms")
-    key = log_key(limiter, "confirm", rate)
-    assert limiter.acquire("confirm", rate).allowed
-    assert limiter.acquire("confirm", rate).allowed
-    held = limiter.acquire("confirm", rate, reserve=True)
-    assert held.reserved and held.token is not None
+    held = held_slot(limiter, "confirm", rate)
     before = server_us(redis_client)
     early = limiter.confirm(held.token, "confirm", rate)
     after = server_us(redis_client)
@@ -407,10 +413,10 @@ def test_confirm_before_the_slot_says_not_yet_and_after_it_allows(
     assert due.allowed and us(held.at) <= before <= us(due.at) <= after
     # counted once, where it started; the first grant has left (its leaving was the slot),
     # the second may not have yet if the confirm came within the gap between the two
-    log = entries(redis_client, key)
+    log = entries(redis_client, log_key(limiter, "confirm", rate))
     assert log[-1] == (us(due.at), 1)
     assert us(held.at) not in [t for t, _ in log[:-1]]
-    assert len(log) <= 2 and max_in_window(log, 300_000) <= 2
+    assert len(log) <= 2 and max_weight_in_window(log, 300_000) <= 2
 
 
 def test_a_late_start_is_counted_where_it_happened_and_the_next_slot_waits_for_it(
@@ -580,7 +586,7 @@ def test_a_grant_read_after_its_window_waits_for_the_starts_since(
     assert us(late.at) >= us(others[0].at) + 400_000
     sleep_until(redis_client, us(late.at))
     assert limiter.confirm(first.token, "gone", rate).allowed
-    assert max_in_window(entries(redis_client, keys[0]), 400_000) <= 3
+    assert max_weight_in_window(entries(redis_client, keys[0]), 400_000) <= 3
 
 
 def test_confirm_after_a_redis_restart_competes_again(
@@ -589,9 +595,7 @@ def test_confirm_after_a_redis_restart_competes_again(
     if os.environ.get("REDIS_URL"):
         pytest.skip("REDIS_URL points at a server this test must not restart")
     rate = Limit("1/300ms")
-    assert limiter.acquire("lost", rate).allowed
-    held = limiter.acquire("lost", rate, reserve=True)
-    assert held.reserved and held.token
+    held = held_slot(limiter, "lost", rate)
     redis_server.restart()
     again = limiter.confirm(held.token, "lost", rate)
     assert again.allowed  # the log is empty after the restart: it runs at once
@@ -632,10 +636,7 @@ def test_a_reservation_started_once_gives_a_second_execution_budget_of_its_own(
 ) -> None:
     rate = Limit("2/300ms")
     key = log_key(limiter, "twice", rate)
-    assert limiter.acquire("twice", rate).allowed
-    assert limiter.acquire("twice", rate).allowed
-    held = limiter.acquire("twice", rate, reserve=True)
-    assert held.reserved and held.token
+    held = held_slot(limiter, "twice", rate)
     sleep_until(redis_client, us(held.at))
     first = limiter.confirm(held.token, "twice", rate)
     assert first.allowed
@@ -645,7 +646,7 @@ def test_a_reservation_started_once_gives_a_second_execution_budget_of_its_own(
     assert total(redis_client, key) >= 2
     assert again.allowed or (again.reserved and again.token != held.token)
     starts = [t for t, _ in entries(redis_client, key)]
-    assert max_in_window([(t, 1) for t in starts], 300_000) <= 2
+    assert max_in_window(starts, 300_000) <= 2
 
 
 @pytest.mark.parametrize(

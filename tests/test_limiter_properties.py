@@ -17,16 +17,8 @@ from celery_ratelimit._engine.decision import token_bytes_of
 from celery_ratelimit._engine.keys import MAX_KEY, escape_part, render
 from celery_ratelimit._engine.layout import PENDING, redis_key
 from tests.calls import CONFIRM, RESERVE, RESTAMP, decide
-from tests.log_reader import (
-    ENTRY_FLOOR,
-    entries,
-    max_in_window,
-    sleep_until,
-    total,
-    us,
-    weight_after,
-    weight_of,
-)
+from tests.log_reader import ENTRY_FLOOR, entries, sleep_until, total, weight_after, weight_of
+from tests.measure import max_weight_in_window, us
 
 LIMIT, WINDOW_US = 6, 120_000
 RATE = Limit(f"{LIMIT}/120ms")
@@ -115,7 +107,7 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
             assert earliest_fit(log, now, cost) == now + us(d.retry_after) > now
         live = [(t, w) for t, w in log if t > now - WINDOW_US]
         assert d.remaining == max(0, LIMIT - sum(w for _, w in live))
-        assert max_in_window(grants, WINDOW_US) <= LIMIT
+        assert max_weight_in_window(grants, WINDOW_US) <= LIMIT
     # what Redis holds is exactly the model's entries still in the window at the last call
     stored = entries(redis_client, key)
     assert sorted(stored) == sorted(live)
@@ -158,7 +150,7 @@ def test_held_starts_never_overfill_a_window_of_starts(
         elif d.reserved:
             assert d.token is not None and d.retry_after > HOLD
             pending.append((d.token, cost))
-        assert max_in_window(starts, WINDOW_US) <= LIMIT, starts
+        assert max_weight_in_window(starts, WINDOW_US) <= LIMIT, starts
     redis_client.delete(*keys, *(k + PENDING for k in keys))
 
 

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.measure import max_in_window
 from tests.nodes import Nodes
-from tests.upstream import FAMILIES, Upstream, most_in_window
+from tests.upstream import FAMILIES, Upstream
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 LIMIT, WINDOW = 10, 1.0
@@ -54,13 +55,13 @@ def test_no_window_above_the_upstreams_limit_once_observed(
         observed = min(a.at for a in mine)  # its answer is observed right after
         # the limiter's side, exact: the grants (Redis time, this machine's clock)
         grants = [r["granted"] / 1e6 for r in runs if r["family"] == family]
-        most = most_in_window([g for g in grants if g > observed], WINDOW)
+        most = max_in_window([g for g in grants if g > observed], WINDOW)
         assert most <= LIMIT, f"{family}: {most} grants in one window of {LIMIT}/s"
         # the upstream's side: a call arrives a moment after its grant (the body starts,
         # connects); on a busy machine that moment varies by more than the guard the
         # grants are spaced by, so the windows counted here are ARRIVAL_SLACK narrower
         later = [a.at for a in mine if a.at > observed]
-        most = most_in_window(later, WINDOW - ARRIVAL_SLACK)
+        most = max_in_window(later, WINDOW - ARRIVAL_SLACK)
         rejected = sum(a.status == 429 for a in mine)
         assert most <= LIMIT, (
             f"{family}: {most} requests in {WINDOW - ARRIVAL_SLACK:g} s at the upstream "

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.examples_env import run
-from tests.nodes import APP, Nodes, max_in_window
+from tests.measure import max_in_window
+from tests.nodes import APP, Nodes
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 CELERY = str(Path(sys.executable).parent / "celery")

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from celery_ratelimit import InvalidLimit, Limit, Limiter, ratelimit
 from celery_ratelimit._engine.layout import PACE_FIELD, PACE_MEMBER, parse_key
 from celery_ratelimit._tools.ops import key_status, pace_in
-from tests.log_reader import max_in_window, us, weight_after
+from tests.log_reader import weight_after
+from tests.measure import max_weight_in_window, server_us, us
 from tests.test_limiter_properties import against_redis, uses_abandoned_room
 
 LIMIT, WINDOW_US = 6, 120_000
@@ -90,7 +91,7 @@ def test_a_paced_log_decides_like_the_window_and_gcra_model(
             units = sum(w for t, w in placed if first <= t <= last)
             heaviest = max(w for t, w in placed if first <= t <= last)
             assert units <= max(burst, heaviest) + (last - first) // INTERVAL
-    assert max_in_window(grants, WINDOW_US) <= LIMIT
+    assert max_weight_in_window(grants, WINDOW_US) <= LIMIT
 
 
 def test_a_paced_counter_waits_for_its_pace(limiter: Limiter) -> None:
@@ -125,7 +126,7 @@ def test_an_unpaced_limit_keeps_no_pace(limiter: Limiter, redis_client: redis.Re
     assert redis_client.zscore(paced_key, PACE_MEMBER) is not None
     assert redis_client.hget(counter_key, PACE_FIELD) is not None
     # what status and explain read: the next unit conforms one interval (200 ms) on
-    now = us(float(redis_client.time()[0]) + redis_client.time()[1] / 1e6)
+    now = server_us(redis_client)
     name = parse_key(limiter.prefix, paced_key)
     assert name is not None and key_status(redis_client, name, now).used == 1
     left = pace_in(redis_client, name, paced, now, None)

@@ -19,8 +19,8 @@ import pytest
 
 from celery_ratelimit import AsyncLimiter, Limiter, LimiterMisconfigured, LimiterUnavailable
 from celery_ratelimit._engine.failures import version_error
-from tests.fault_nodes import Fleet, unique_prefix
-from tests.nodes import rabbitmq_reachable
+from tests.fault_nodes import Fleet
+from tests.nodes import rabbitmq_reachable, unique_prefix
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_nodes import Fleet, max_grants, print_on_failure, tally, unique_prefix
+from tests.fault_nodes import Fleet, max_grants, print_on_failure, tally
+from tests.nodes import unique_prefix
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
@@ -42,6 +43,28 @@ def shared_server() -> Iterator[RedisServer]:
     server.close()
 
 
+def fleet_on(
+    server: RedisServer, runs: RedisServer, tmp_path: Path, name: str, **settings: str
+) -> Fleet:
+    """A Fleet whose broker (db 1) and limiter (db 0) share ``server``, its runs kept on
+    ``runs``, at ``LIMIT``/s."""
+    return Fleet(
+        tmp_path,
+        broker_url=f"redis://127.0.0.1:{server.port}/1",
+        limiter_url=f"redis://127.0.0.1:{server.port}/0",
+        runs_url=runs.url,
+        prefix=unique_prefix(name),
+        settings={"rate": f"{LIMIT}/s", **settings},
+    )
+
+
+def wait_for_count(fleet: Fleet, count: int, timeout: float = 30) -> None:
+    """Until ``count`` executions are on record, or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while len(fleet.runs()) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def parked_calls(server: RedisServer) -> int:
     """Copies parked so far, by the park's own counts."""
     with server.client() as client:
@@ -56,20 +79,11 @@ def test_a_paused_redis_delays_parked_copies_by_the_pause_only(
 ) -> None:
     runs = RedisServer()  # the records stay readable while the shared server is paused
     server = shared_server
-    fleet = Fleet(
-        tmp_path,
-        broker_url=f"redis://127.0.0.1:{server.port}/1",
-        limiter_url=f"redis://127.0.0.1:{server.port}/0",
-        runs_url=runs.url,
-        prefix=unique_prefix("paused-park"),
-        settings={"rate": f"{LIMIT}/s"},
-    )
+    fleet = fleet_on(server, runs, tmp_path, "paused-park")
     try:
         fleet.add(2)
         ids = [fleet.send("limited", i) for i in range(80)]
-        deadline = time.monotonic() + 30
-        while len(fleet.runs()) < 30 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_count(fleet, 30)
         assert parked_calls(server) > 0, "the backlog should have parked copies"
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGSTOP)
@@ -108,22 +122,13 @@ def test_a_killed_redis_with_aof_everysec_keeps_the_parked_copies(
     parked a second or more before the kill are there, and every task runs."""
     server = RedisServer("--appendonly", "yes", "--appendfsync", "everysec")
     runs = RedisServer()
-    fleet = Fleet(
-        tmp_path,
-        broker_url=f"redis://127.0.0.1:{server.port}/1",
-        limiter_url=f"redis://127.0.0.1:{server.port}/0",
-        runs_url=runs.url,
-        prefix=unique_prefix("aof-kill"),
-        # a crashed node's unacknowledged messages come back after this (the Redis
-        # transport's default is an hour); a copy is held for a second or two
-        settings={"rate": f"{LIMIT}/s", "visibility": "10"},
-    )
+    # a crashed node's unacknowledged messages come back after this (the Redis
+    # transport's default is an hour); a copy is held for a second or two
+    fleet = fleet_on(server, runs, tmp_path, "aof-kill", visibility="10")
     try:
         fleet.add(2)
         ids = [fleet.send("limited", i) for i in range(70)]
-        deadline = time.monotonic() + 30
-        while len(fleet.runs()) < 20 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_count(fleet, 20)
         with server.client() as client:
             (copies,) = client.scan_iter(match=f"{fleet.prefix}:{{park:*}}:copies")
             before = set(client.hkeys(copies))

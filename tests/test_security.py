@@ -41,7 +41,8 @@ from celery_ratelimit._engine.keys import MAX_KEY, escape_key, hash_tag, render
 from celery_ratelimit._engine.layout import redis_key
 from celery_ratelimit._engine.scripts import source
 from tests.calls import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP, decide
-from tests.fault_nodes import Fleet, deferred_ids, print_on_failure, unique_prefix
+from tests.fault_nodes import Fleet, deferred_ids, print_on_failure
+from tests.nodes import unique_prefix
 from tests.redis_server import RedisServer, free_port, redis_binary
 
 LOG = Limit("3/200ms")

@@ -11,7 +11,8 @@ import redis
 from celery_ratelimit import InvalidLimit, Limit, Limiter
 from celery_ratelimit._engine.decision import token_bytes_of
 from celery_ratelimit._engine.layout import redis_key
-from tests.log_reader import entries, server_us, total, us
+from tests.log_reader import entries, total
+from tests.measure import server_us, us
 
 
 def test_a_refund_frees_budget_at_once(limiter: Limiter, redis_client: redis.Redis) -> None:

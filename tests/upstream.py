@@ -117,14 +117,3 @@ class Upstream:
             "x-ratelimit-remaining-requests": str(remaining),
             "x-ratelimit-reset-requests": f"{math.ceil(frees * 1000)}ms",
         }
-
-
-def most_in_window(times: list[float], window: float) -> int:
-    """The most of ``times`` (seconds) in any window [t, t + window)."""
-    times = sorted(times)
-    most, first = 0, 0
-    for last, at in enumerate(times):
-        while at - times[first] >= window:
-            first += 1
-        most = max(most, last - first + 1)
-    return most

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import bisect
 import sys
-import time
 
 import redis
 
 from examples.existing_project.celery import REDIS_URL, RUNS
 from examples.existing_project.tasks import cleanup, send_email, sync_customers, sync_invoices
+from examples.harness import wait_for_records
 
 BUDGETS = {
     "billing:api (sync_*)": (("sync_invoices", "sync_customers"), 4),
@@ -35,12 +35,8 @@ def main(timeout: float = 120.0) -> int:
     cleanup.delay()  # not limited, so not recorded
     total = 18
     print(f"sent {total} limited tasks (and one unlimited)")
-    deadline = time.monotonic() + timeout
-    while (done := client.llen(RUNS)) < total:
-        if time.monotonic() > deadline:
-            print(f"timed out: {done} of {total} tasks executed", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
+    if not wait_for_records(client, RUNS, total, timeout, "tasks"):
+        return 1
     runs = [raw.decode().split() for raw in client.lrange(RUNS, 0, -1)]  # type: ignore[union-attr]
     held = True
     for budget, (tasks, limit) in BUDGETS.items():

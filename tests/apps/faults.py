@@ -27,6 +27,7 @@ import redis
 from celery import Celery
 
 from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
+from tests.measure import server_us
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
@@ -75,14 +76,13 @@ def record(task: Any, **extra: Any) -> None:
     global _client
     if _client is None:
         _client = redis.Redis.from_url(RUNS)
-    seconds, micros = _client.time()
     decision = getattr(task.request, "ratelimit_decision", None)
     _client.rpush(
         f"{PREFIX}:runs",
         json.dumps(
             {
                 "id": task.request.id,
-                "t": seconds * 1_000_000 + micros,
+                "t": server_us(_client),
                 "local": time.time(),
                 "granted": round(decision.at * 1_000_000) if decision is not None else None,
                 "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,

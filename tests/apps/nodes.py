@@ -32,6 +32,7 @@ from celery_ratelimit import (
     ratelimit,
     settle,
 )
+from tests.measure import server_us
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
@@ -80,8 +81,7 @@ def record(task: Any, **extra: Any) -> int:
     global _client
     if _client is None:
         _client = redis.Redis.from_url(REDIS)
-    seconds, micros = _client.time()
-    now = seconds * 1_000_000 + micros
+    now = server_us(_client)
     # `is not None`, not truth: a Decision is falsy unless `allowed`, and a task that
     # waited in process for its reserved slot runs on a `reserved` (not allowed) one
     decision = getattr(task.request, "ratelimit_decision", None)
@@ -343,8 +343,7 @@ def expiring(self: Any, i: int) -> int:
 def finish(task: Any, **extra: Any) -> None:
     """Note in ``{CRL_PREFIX}:ends`` when this body ended (Redis TIME, µs)."""
     assert _client is not None  # record() ran first
-    seconds, micros = _client.time()
-    end = {"id": task.request.id, "t": seconds * 1_000_000 + micros, **extra}
+    end = {"id": task.request.id, "t": server_us(_client), **extra}
     _client.rpush(f"{PREFIX}:ends", json.dumps(end))
 
 
