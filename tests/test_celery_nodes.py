@@ -28,7 +28,7 @@ from kombu import Connection
 
 from celery_ratelimit import Limit, Limiter, Rate
 from celery_ratelimit._celery import settings as _settings
-from celery_ratelimit._celery.check import ETA_MARGIN
+from celery_ratelimit._celery.defer import ETA_MARGIN
 from celery_ratelimit._engine.layout import PENDING
 from tests.apps.nodes import CAP, FAIR_RATE, MATH, PUSHED, QUOTA
 from tests.calls import RESTAMP, decide

@@ -1,15 +1,12 @@
-"""One execution's check, step by step: decide, start, or publish the task again.
-
-``enforce`` (in ``task``) drives it; this module holds the steps: the limiter call
-with the execution's options, the in-process wait for a start moments away, the
-handling of a Redis failure under the task's policy, and the deferral itself (the copy
-published before this execution ends, its headers, its ETA in Redis time).
+"""One execution's check: its keys, costs and options, resolved once, and the steps the
+path (``path``) takes: the limiter call, the start (after an in-process wait the limiter
+counted), a handed turn, and the handling of a Redis failure under the task's policy.
+The deferral is ``defer``'s; the message headers it writes are named here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import threading
@@ -19,22 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.app.task import Context
-from celery.exceptions import Reject, Retry
-from celery.utils.time import maybe_iso8601
 
 from .._engine.base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
 from .._engine.decision import Decision
-from .._engine.exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitExceeded
+from .._engine.exceptions import LimiterMisconfigured, LimiterUnavailable
 from .._engine.limit import Concurrency, Limit
 from .._engine.limiter import Limiter
 from . import clock
 from .beside import attach
-from .clock import observe, redis_eta
-from .green import give_way, lead
-from .metrics import metrics_for, send_deferral_event
-from .park import park
+from .clock import observe
+from .green import lead
+from .metrics import metrics_for
 from .plan import Plan
-from .quiet import deferral
 from .settings import limiter_for, park_after, setting
 from .slots import Held, hold, release
 
@@ -50,7 +43,7 @@ DEFERRALS_HEADER = "ratelimit_deferrals"
 #: time are the library's doing, not the budget's, and do not count.
 DENIALS_HEADER = "ratelimit_denials"
 TOKEN_HEADER = "ratelimit_token"
-#: ``request.retries`` of the execution that was deferred (see ``_token_header``).
+#: ``request.retries`` of the execution that was deferred (see ``path._token_header``).
 RETRIES_HEADER = "ratelimit_retries"
 #: Request attribute holding the Decision that let the task run: kept beside the
 #: request, not in it, since a copy of the request's attributes may become a message.
@@ -60,7 +53,7 @@ attach(DECISION_ATTR)
 #: Celery built for it (an eager call's, a fresh one of ``Task.__call__``): a default on
 #: ``Context`` itself; a deferred copy's header sets the request's own value. (Celery
 #: then leaves the name out of the headers its ``self.retry()`` publishes: a retry
-#: counts its deferrals anew, as ``_token_header`` does.)
+#: counts its deferrals anew, as ``path._token_header`` does.)
 if not hasattr(Context, DEFERRALS_HEADER):
     setattr(Context, DEFERRALS_HEADER, 0)
 #: A start at most this far ahead (an early arrival, a reservation this close, a
@@ -83,10 +76,6 @@ HANDOFF_RENEW_NOW = 0.3
 #: A grant read too late to start on (see ``Check.start``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
 MAX_RESTAMPS = 5
-#: A deferred copy is due this long after its slot: clock offsets are measured to
-#: about a millisecond, and a copy arriving a hair early would cost a wait and a
-#: second confirmation, one arriving a hair late costs nothing.
-ETA_MARGIN = 0.005
 
 
 _last_logged: dict[str, float] = {}
@@ -300,146 +289,6 @@ class Check:
         """The last decision was this task competing for budget (it held no slot)."""
         return self.mode in (ACQUIRE, RESERVE)
 
-    def defer(
-        self,
-        countdown: float,
-        token: str | None,
-        reason: str,
-        denied_by: Limit | Concurrency | None = None,
-        *,
-        denial: bool = False,
-        why: str = "limit",
-    ) -> str | None:
-        """Publish the task again ``countdown`` seconds from now and raise the ``Retry``
-        that ends this execution. ``denial``: the task could not get budget (what
-        ``ratelimit_max_deferrals`` counts; see ``DENIALS_HEADER``); ``why``: what the
-        ``task-ratelimited`` event says (see ``send_deferral_event``).
-
-        When the publish failed and the task waited in this process instead (acks
-        early: the original message is already acknowledged), returns the token to
-        confirm after that wait (or None).
-
-        Raises:
-            Retry: published.
-            Reject: the publish failed and the task is ``acks_late`` (requeued).
-            RateLimitExceeded: a ``denial`` past ``ratelimit_max_deferrals``.
-        """
-        task, request = self.task, self.request
-        deferrals = int(getattr(request, DEFERRALS_HEADER, 0) or 0)
-        denials = int(getattr(request, DENIALS_HEADER, 0) or 0)
-        if denial:
-            max_deferrals = self.setting("ratelimit_max_deferrals")
-            if max_deferrals is not None and denials >= max_deferrals:
-                self.give_back(token)
-                raise RateLimitExceeded(
-                    f"{task.name}[{request.id}] was deferred {denials} times for want of "
-                    f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {reason}"
-                )
-            denials += 1
-        # the bodies running beside it first (green pools); its slot stays where it was
-        countdown = max(countdown - give_way(countdown), 0.0)
-        if token and _expires_before(task, request, countdown):
-            # Celery will end the copy as expired when it arrives; its slot would be wasted.
-            self.give_back(token)
-            token = None
-        signature = self.copy(countdown, token, deferrals + 1, denials)
-        parked = self.park(signature, countdown)
-        if not parked:
-            try:
-                signature.apply_async()
-            except Exception as exc:
-                return self.publish_failed(exc, countdown, token)
-        keys = ",".join(self.keys)
-        logger.info(
-            "ratelimit: deferred %s[%s] key %s for %.3fs (deferral %d%s%s; %s)",
-            task.name,
-            request.id,
-            keys,
-            countdown,
-            deferrals + 1,
-            ", slot reserved" if token else "",
-            ", parked in Redis" if parked else "",
-            reason,
-        )
-        if self.metrics is not None:
-            new_slot = bool(token) and token != getattr(request, TOKEN_HEADER, None)
-            self.metrics.deferral(self.plan.limits, denied_by, new_slot)
-        send_deferral_event(task, keys, countdown, deferrals + 1, bool(token), why)
-        # Celery's own retry line for it is left out (see quiet): ours says more
-        raise deferral(request.id, Retry(reason, when=countdown, sig=signature))
-
-    def copy(self, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:
-        """The signature of this task published again, due ``countdown`` from now: every
-        header of its message (custom ones included, as ``self.retry()`` keeps them),
-        then ours (``ratelimit_*``, a name of our own, so never one of the user's)."""
-        request = self.request
-        headers = {
-            name: value
-            for name, value in (request.headers or {}).items()
-            if not name.startswith(OUR_HEADERS)
-        }
-        headers.update(
-            (name, value)
-            for name, value in vars(request).items()
-            if name.startswith(OUR_HEADERS) and name != DECISION_ATTR
-        )
-        headers[DEFERRALS_HEADER] = deferrals
-        headers[DENIALS_HEADER] = denials
-        headers[TOKEN_HEADER] = token
-        headers[RETRIES_HEADER] = request.retries
-        return self.task.signature_from_request(
-            request,
-            self.args,
-            self.kwargs,
-            # in Redis time, since worker clocks may disagree (see clock)
-            eta=redis_eta(countdown + ETA_MARGIN),
-            retries=request.retries,
-            headers=headers,
-        )
-
-    def park(self, signature: Any, countdown: float) -> bool:
-        """Park the copy in Redis if it is due later than ``ratelimit_park_after``
-        (see ``park``); False if it is to be published to the broker now: due sooner,
-        parking off, no node's mover seen lately, or the park could not be written."""
-        after = _process_settings(self.task).park_after
-        if after is None or countdown <= after:
-            return False
-        try:
-            return park(self.task, signature, countdown + ETA_MARGIN)
-        except Exception as exc:  # the broker still takes it
-            interval = setting("ratelimit_warning_interval", self.task.app)
-            if _log_at_most_every(interval, "park"):
-                logger.warning(
-                    "ratelimit: could not park a deferred task in Redis (%s); publishing "
-                    "deferred tasks to the broker instead (next warning in %.0fs at the "
-                    "earliest)",
-                    exc,
-                    interval,
-                )
-            return False
-
-    def publish_failed(self, exc: Exception, countdown: float, token: str | None) -> str | None:
-        task, request = self.task, self.request
-        if task.acks_late:
-            logger.error(
-                "ratelimit: could not re-publish %s[%s] (%s); rejecting it with requeue "
-                "so the broker delivers it again",
-                task.name,
-                request.id,
-                exc,
-            )
-            raise Reject(exc, requeue=True) from exc
-        logger.error(
-            "ratelimit: could not re-publish %s[%s] (%s); waiting %.3fs in this process "
-            "instead, so the task is not lost",
-            task.name,
-            request.id,
-            exc,
-            countdown,
-        )
-        time.sleep(countdown)
-        return token
-
     def give_back(self, token: str | None) -> None:
         """Release the reservation ``token``: a slot that cannot be given back only
         wastes budget."""
@@ -512,20 +361,3 @@ def _redis_error_policy(task: Any, plan: Plan, request: Any) -> str:
     if own is not None:
         return str(own)
     return str(setting("ratelimit_on_redis_error", task.app, task, request))
-
-
-def _expires_before(task: Any, request: Any, countdown: float) -> bool:
-    """True if the task's ``expires`` passes before ``countdown`` seconds from now."""
-    expires = request.expires
-    if not expires:
-        return False
-    try:
-        when = maybe_iso8601(expires) if isinstance(expires, str) else expires
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        now = task.app.now()
-        if now.tzinfo is None:
-            now = now.replace(tzinfo=datetime.timezone.utc)
-        return bool(when <= now + datetime.timedelta(seconds=countdown))
-    except (TypeError, ValueError, AttributeError):
-        return False

@@ -23,138 +23,30 @@ between can duplicate a message, never lose one.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from celery import Task, signals
 from celery.exceptions import Retry
 
-from .._engine.decision import Decision, token_bytes_of
+from .._engine.decision import Decision
 from .._engine.exceptions import (
-    InvalidLimit,
     LimiterMisconfigured,
     LimiterUnavailable,
     RateLimitError,
 )
 from .._engine.headers import Observation
 from .._engine.keys import escape_key
-from .._engine.limit import Concurrency, describe, to_limits
+from .._engine.limit import to_limits
 from .._engine.upstream import UpstreamRateLimited
-from .check import (
-    DECISION_ATTR,
-    DEFERRALS_HEADER,
-    DENIALS_HEADER,
-    HANDOFF_EARLY,
-    HANDOFF_WAIT,
-    MAX_IN_PROCESS_WAIT,
-    MAX_RESTAMPS,
-    RETRIES_HEADER,
-    TOKEN_HEADER,
-    Check,
-)
+from .check import DECISION_ATTR, DEFERRALS_HEADER, TOKEN_HEADER, Check
+from .defer import Deferral, defer
+from .path import enforce
 from .plan import check_key_fields, plan_for
 from .settings import limiter_for
 from .slots import release
 
 logger = logging.getLogger("celery_ratelimit")
-
-#: A task waits in-process at most this many times in a row for a turn moments away
-#: (each at most MAX_IN_PROCESS_WAIT), then is published again.
-MAX_WAITS = 5
-
-
-def enforce(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """Return if the task may run now; else publish it again for later and raise
-    ``Retry`` (which ends this execution in state ``RETRY``).
-
-    Raises:
-        Retry: the task was deferred.
-        RateLimitExceeded: deferred for want of budget (denied while holding no slot,
-            or Redis unreachable) more than ``ratelimit_max_deferrals`` times.
-        InvalidLimit: the call's key or cost cannot be worked out (the task fails).
-        LimiterUnavailable: Redis is down and the policy is ``"raise"``.
-        LimiterMisconfigured: Redis refuses the limiter (logged once per interval).
-    """
-    request = task.request
-    if request.is_eager or request.called_directly:
-        return
-    plan = plan_for(task)
-    if plan is None:
-        return
-    check = Check(task, plan, tuple(args), kwargs)
-    token = _token_header(task, request)
-    restamp = False
-    waits = 0
-    if token is not None and check.handed(token, HANDOFF_WAIT):
-        return  # its turn was handed over to it (the copy of a waiting call)
-    while True:
-        try:
-            decision = check.decide(token, restamp)
-        except LimiterMisconfigured as exc:
-            check.report_misconfigured(exc)
-            raise
-        except LimiterUnavailable as exc:
-            countdown = check.on_unavailable(exc)  # raises under the policy "raise"
-            if countdown is None:  # "allow"
-                return
-            # counted like a denial: a Redis down for good must not defer it forever
-            token = check.defer(countdown, None, f"Redis error: {exc}", denial=True)
-            restamp = False
-            continue
-        if decision.allowed:
-            late = check.start(decision)
-            if not late:
-                return
-            # read too late to start on: start it anew where it really starts, or, after
-            # MAX_RESTAMPS of those in a row, publish it again for a calmer moment
-            restamp = check.restamps < MAX_RESTAMPS
-            token = decision.token
-            if not restamp:
-                check.give_back(token)  # its concurrency slots
-                token = check.defer(
-                    min(late, check.max_countdown),
-                    None,
-                    f"its grant was read {late * 1000:.0f} ms late {MAX_RESTAMPS + 1} times "
-                    "in a row (this worker is too busy to start it on time)",
-                )
-            continue
-        restamp = False
-        # a turn moments away (a concurrency slot about to be free): wait for it here,
-        # for a call that may be handed its turn as long as it blocks for it
-        nearby = HANDOFF_WAIT if check.handy else MAX_IN_PROCESS_WAIT
-        if decision.reserved and decision.retry_after <= nearby and waits < MAX_WAITS:
-            waits += 1
-            token = decision.token
-            if not check.handy:
-                time.sleep(decision.retry_after)
-            elif token is not None and check.handed(token, decision.retry_after + HANDOFF_WAIT):
-                return
-            continue
-        why, reason = _why(decision, plan.limits)
-        countdown = decision.retry_after
-        if check.handy and decision.reserved:
-            # its copy comes a little early and blocks for its turn (Check.handed): the
-            # slot handed over does not idle while the copy is on its way
-            countdown = max(countdown - HANDOFF_EARLY, 0.0)
-        token = check.defer(
-            min(countdown, check.max_countdown),
-            decision.token if decision.reserved else None,
-            reason,
-            denied_by=decision.limit,
-            denial=check.competing,
-            why=why,
-        )
-
-
-def _why(decision: Decision, limits: tuple[Any, ...]) -> tuple[str, str]:
-    """What held a call back: the event's ``why`` and the log's words."""
-    limit = decision.limit
-    if decision.paused:
-        return "paused", "its key is paused (an upstream answered 429)"
-    if isinstance(limit, Concurrency):
-        return "concurrency", f"waiting for a slot of {limit.label}"
-    return "limit", f"rate limited by {limit.label if limit else describe(limits)}"
 
 
 def call_body(task: Any, body: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -180,7 +72,7 @@ def after_upstream(
 
     Returns False when there is nothing to defer (an eager call, a task without
     limits): the exception is the caller's. True when the copy could not be published
-    and this process waited instead (see ``Check.defer``).
+    and this process waited instead (see ``defer``).
 
     Raises:
         Retry: published (the usual end).
@@ -221,27 +113,8 @@ def after_upstream(
         if decision is not None and decision.allowed:
             check.give_back(decision.token)
         countdown, token = exc.seconds, None
-    check.defer(min(countdown, check.max_countdown), token, reason, why="upstream")
+    defer(check, Deferral(min(countdown, check.max_countdown), token, reason, why="upstream"))
     return True
-
-
-def _token_header(task: Any, request: Any) -> str | None:
-    """The message's reservation token; one the limiter did not write is no token (the
-    task competes afresh), and a user's ``self.retry()`` of a deferred task starts
-    afresh too: its copy carries the headers of the execution it retries."""
-    if getattr(request, RETRIES_HEADER, request.retries) != request.retries:
-        setattr(request, DEFERRALS_HEADER, 0)
-        setattr(request, DENIALS_HEADER, 0)
-        setattr(request, TOKEN_HEADER, None)
-    token = getattr(request, TOKEN_HEADER, None) or None
-    if token is None:
-        return None
-    try:
-        token_bytes_of(token)
-    except InvalidLimit as exc:
-        logger.warning("ratelimit: %s[%s]: %s; competing without it", task.name, request.id, exc)
-        return None
-    return str(token)
 
 
 class RateLimitedTask(Task):  # type: ignore[misc]
@@ -281,7 +154,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         except Retry as exc:
             # raised again with a fresh traceback: Celery's pool copies every frame of a
             # Retry's traceback (each frame's code positions, 600-700 for enforce and
-            # Check.defer each), formats it and pickles it to the node's main process;
+            # defer each), formats it and pickles it to the node's main process;
             # the frames below this one would cost milliseconds of CPU a deferral
             raise exc.with_traceback(None) from None
         super().before_start(task_id, args, kwargs)
