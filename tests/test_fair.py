@@ -30,7 +30,8 @@ from celery_ratelimit._engine.fair import place_of, waiting_by_value
 from celery_ratelimit._engine.layout import FAIR_STATE, FAIR_TAGS, PENDING, log_entries
 from celery_ratelimit._engine.limit import to_limits
 from celery_ratelimit._tools.explain import explain, format_explanation
-from celery_ratelimit._tools.ops import format_status, status
+from celery_ratelimit._tools.ops import status
+from celery_ratelimit._tools.report import format_status
 from tests.measure import max_in_window, server_us
 
 

@@ -22,7 +22,8 @@ from celery_ratelimit._engine.keys import escape_key, hash_tag
 from celery_ratelimit._engine.layout import key_base, settings_of
 from celery_ratelimit._tools.cli import run_set
 from celery_ratelimit._tools.explain import explain, format_explanation
-from celery_ratelimit._tools.ops import format_status, key_settings, known_limits, status
+from celery_ratelimit._tools.ops import key_settings, known_limits, status
+from celery_ratelimit._tools.report import format_status
 
 RATE = Limit("5/m")
 SHAPES = ("api:{k}", "yt:quota:{k}", "{k}:erp")

@@ -13,7 +13,8 @@ import pytest
 
 from celery_ratelimit import AsyncLimiter, Concurrency, InvalidLimit, Limit, Limiter
 from celery_ratelimit._engine.headers import Observation
-from celery_ratelimit._tools.ops import Seen, format_settings, key_settings
+from celery_ratelimit._tools.ops import Seen, key_settings
+from celery_ratelimit._tools.report import format_settings
 
 
 def budget(remaining: int, reset: float, limit: int | None = None) -> dict[str, str]:

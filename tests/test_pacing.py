@@ -226,7 +226,8 @@ def test_copies_that_come_late_never_bunch_their_starts(limiter: Limiter) -> Non
 
 def test_status_shows_when_a_paced_limits_next_unit_conforms() -> None:
     from celery_ratelimit._engine.layout import KeyName
-    from celery_ratelimit._tools.ops import KeyStatus, format_status
+    from celery_ratelimit._tools.ops import KeyStatus
+    from celery_ratelimit._tools.report import format_status
 
     paced = Limit("20/2s", key="api", burst=2)
     name = KeyName("ratelimit:{api}:log:2000000", "api", "log", 2_000_000)

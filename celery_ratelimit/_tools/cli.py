@@ -152,7 +152,7 @@ def _named(exc: RateLimitError, app: Any, url: str | None) -> RateLimitError:
 
 
 def run_status(app: Any, url: str | None, prefix: str | None, match: str | None) -> list[str]:
-    from . import ops
+    from . import ops, report
 
     limiter = limiter_from(app, url, prefix)
     try:
@@ -161,8 +161,8 @@ def run_status(app: Any, url: str | None, prefix: str | None, match: str | None)
             guard = ops.guard_for_app(app) if app is not None else 0.0
             rows = ops.status(limiter, known, guard=guard, match=match)
             settings = ops.key_settings(limiter, match)
-        lines = ops.format_status(rows, limiter.prefix, _safe_url(limiter), app=app is not None)
-        return lines + ops.format_settings(settings)
+        lines = report.format_status(rows, limiter.prefix, _safe_url(limiter), app=app is not None)
+        return lines + report.format_settings(settings)
     finally:
         limiter.client.close()
 

@@ -20,9 +20,7 @@ from .ops import (
     KeySettings,
     KeyStatus,
     app_tasks,
-    format_settings,
     guard_for_app,
-    in_seconds,
     key_settings,
     key_status,
     limiter_for_app,
@@ -31,6 +29,7 @@ from .ops import (
     server_now_us,
     task_limits,
 )
+from .report import format_settings, in_seconds
 
 
 @dataclass
@@ -83,6 +82,50 @@ def explain(
     """
     from .._celery.plan import plan_for
 
+    task = _task(app, task_name)
+    kwargs = dict(kwargs or {})
+    result = Explanation(task_name, "", tuple(args), kwargs)
+    plan = plan_for(task)
+    if plan is None:
+        result.source = "none: this task is not rate limited"
+    elif from_rules(task):
+        result.source = "app.conf.ratelimit_rules (install)"
+    else:
+        result.source = "the task's ratelimit option"
+    result.error = binding_error(task, task_name, result.args, kwargs)
+    if plan is None or result.error:
+        return result
+    try:
+        keys, costs, limits = plan.resolve(tuple(args), kwargs)
+        fair = plan.fair(tuple(args), kwargs)
+    except (InvalidLimit, TypeError) as exc:
+        result.error = f"a worker would fail this call: {exc}"
+        return result
+    limiter = limiter or limiter_for_app(app)
+    redis_keys = limiter.keys_for(keys, limits)
+    guard = guard_for_app(app)
+    try:
+        now = server_now_us(limiter.client)
+        result.settings = key_settings(limiter)
+        result.limits = _each_limit(
+            limiter, result.settings, keys, redis_keys, costs, limits, guard, now
+        )
+        result.decision = limiter.peek((), limits, costs, guard=guard, redis_keys=redis_keys)
+        if fair is not None:
+            result.place = place_of(limiter.client, redis_keys[0], *fair, costs[0], now)
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "explain") from exc
+    finally:
+        limiter.client.close()
+    return result
+
+
+def _task(app: Any, task_name: str) -> Any:
+    """The app's task ``task_name``.
+
+    Raises:
+        KeyError: no such task (the message lists the rate-limited ones).
+    """
     tasks = app_tasks(app)
     task = tasks.get(task_name)
     if task is None:
@@ -91,58 +134,37 @@ def explain(
             f"no task {task_name!r} in app {app.main!r}; rate-limited tasks: "
             f"{', '.join(limited) or 'none'}"
         )
-    kwargs = dict(kwargs or {})
-    result = Explanation(task_name, "", tuple(args), kwargs)
-    plan = plan_for(task)
-    if plan is None:
-        result.source = "none: this task is not rate limited"
-    else:
-        result.source = (
-            "app.conf.ratelimit_rules (install)"
-            if from_rules(task)
-            else "the task's ratelimit option"
-        )
-    result.error = binding_error(task, task_name, result.args, kwargs)
-    if plan is None or result.error:
-        return result
-    try:
-        keys, costs, limits = plan.resolve(tuple(args), kwargs)
-        plan.fair(tuple(args), kwargs)
-    except (InvalidLimit, TypeError) as exc:
-        result.error = f"a worker would fail this call: {exc}"
-        return result
-    limiter = limiter or limiter_for_app(app)
-    redis_keys = limiter.keys_for(keys, limits)
-    try:
-        now = server_now_us(limiter.client)
-        result.settings = key_settings(limiter)
-        overrides = {row.key: row.override for row in result.settings if row.override}
-        rated = Counter(
-            k for k, limit in zip(keys, limits, strict=True) if not isinstance(limit, Concurrency)
-        )
-        for limit, key, redis_key, cost in zip(limits, keys, redis_keys, costs, strict=True):
-            window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
-            name = parse_key(limiter.prefix, redis_key) or KeyName(
-                redis_key, key, limit.kind, window
-            )
-            override = override_in_force(overrides.get(key), name, rated[key] == 1)
-            state = key_status(limiter.client, name, now, override)
-            state.limit = limit
-            one = limiter.peek((), (limit,), cost, guard=guard_for_app(app), redis_keys=[redis_key])
-            state.remaining, state.next_free = one.remaining, one.retry_after
-            state.pace_in = pace_in(limiter.client, name, limit, now, override)
-            result.limits.append(LimitExplanation(limit, key, redis_key, cost, state))
-        result.decision = limiter.peek(
-            (), limits, costs, guard=guard_for_app(app), redis_keys=redis_keys
-        )
-        fair = plan.fair(tuple(args), kwargs)
-        if fair is not None:
-            result.place = place_of(limiter.client, redis_keys[0], *fair, costs[0], now)
-    except REDIS_ERRORS as exc:
-        raise limiter.translate(exc, "explain") from exc
-    finally:
-        limiter.client.close()
-    return result
+    return task
+
+
+def _each_limit(
+    limiter: Limiter,
+    settings: list[KeySettings],
+    keys: Sequence[str],
+    redis_keys: Sequence[str],
+    costs: Sequence[int],
+    limits: Sequence[AnyLimit],
+    guard: float,
+    now: int,
+) -> list[LimitExplanation]:
+    """Each limit of the call: its key's state (an override applied as the scripts
+    apply it) and what a peek at it alone answers."""
+    overrides = {row.key: row.override for row in settings if row.override}
+    rated = Counter(
+        k for k, limit in zip(keys, limits, strict=True) if not isinstance(limit, Concurrency)
+    )
+    each = []
+    for limit, key, redis_key, cost in zip(limits, keys, redis_keys, costs, strict=True):
+        window = 0 if isinstance(limit, Concurrency) else limit.fixed_rate.window_us
+        name = parse_key(limiter.prefix, redis_key) or KeyName(redis_key, key, limit.kind, window)
+        override = override_in_force(overrides.get(key), name, rated[key] == 1)
+        state = key_status(limiter.client, name, now, override)
+        state.limit = limit
+        one = limiter.peek((), (limit,), cost, guard=guard, redis_keys=[redis_key])
+        state.remaining, state.next_free = one.remaining, one.retry_after
+        state.pace_in = pace_in(limiter.client, name, limit, now, override)
+        each.append(LimitExplanation(limit, key, redis_key, cost, state))
+    return each
 
 
 def binding_error(

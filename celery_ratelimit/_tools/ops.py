@@ -1,5 +1,5 @@
 """Operations behind both command lines: ``status`` and ``reset KEY`` (``explain TASK``
-is in ``explain``, built on these).
+is in ``explain``, built on these; the text both print is ``report``'s).
 
 Nothing here writes to Redis (``Limiter.reset`` forgets a key). ``status`` reads the keys as they
 are (the log's sorted sets, the counter's hashes) and asks the scripts in peek mode,
@@ -399,124 +399,11 @@ def _text(key: bytes | str) -> str:
     return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
 
 
-def in_seconds(value: float) -> str:
-    if value <= 0:
-        return "now"
-    if value < 120:
-        return f"in {value:.3f}s"
-    if value < 7200:
-        return f"in {value / 60:.1f}m"
-    return f"in {value / 3600:.1f}h"
-
-
-def _window(window_us: int) -> str:
-    if window_us == 0:
-        return "-"
-    text = str(Rate(1, window_us)).split("/", 1)[1]
-    return text if text[0].isdigit() else "1" + text
-
-
-def format_status(
-    rows: Sequence[KeyStatus], prefix: str, url: str, *, app: bool = True
-) -> list[str]:
-    """The table ``status`` prints (``app``: the app's declarations were read)."""
-    lines = [f"prefix {prefix!r} on {url}: {len(rows)} active key(s)"]
-    if not rows:
-        return lines
-    header = ("KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "NEXT FREE", "LIMIT")
-    table = [header]
-    for row in rows:
-        if isinstance(row.limit, Concurrency):
-            used = f"{row.used}/{row.limit.n} running"
-            remaining = str(row.remaining)
-            free = in_seconds(row.next_free or 0.0)
-            label = f"{row.limit.label} ({', '.join(row.sources)})"
-        elif row.limit is not None:
-            limit = row.override.limit if row.override else row.limit.fixed_rate.limit
-            used = f"{row.used}/{limit}"
-            remaining = str(row.remaining)
-            free = in_seconds(row.next_free or 0.0)
-            label = f"{row.limit.label} ({', '.join(row.sources)})"
-            if row.override:
-                label += f"; overridden: {row.override}"
-            if row.pace_in is not None and isinstance(row.limit, Limit):
-                label += f"; paced, burst {row.limit.burst}: next unit {in_seconds(row.pace_in)}"
-        else:
-            used = f"{row.used}/{row.override.limit}" if row.override else f"{row.used}"
-            remaining = "?"
-            free = "?"
-            label = "not declared by the app" if app else "declared limit: needs the app (-A)"
-            if row.override:
-                label += f"; overridden: {row.override}"
-            if row.oldest_leaves is not None:
-                label += f"; oldest entry leaves {in_seconds(row.oldest_leaves)}"
-        reserved = str(row.reservations)
-        if row.reserved != row.reservations:
-            reserved += f" ({row.reserved} units)"
-        table.append(
-            (
-                row.name.key,
-                _window(row.name.window_us),
-                row.name.algorithm,
-                used,
-                remaining,
-                reserved,
-                free,
-                label,
-            )
-        )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
-    for r in table:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
-    for row in rows:
-        if row.waiting:
-            counts = ", ".join(f"{value} {n}" for value, n in row.waiting.items())
-            lines.append(f"waiting on {row.name.key} by fair key: {counts}")
-    lines.append(
-        "USED: weight counted in the window until now (ALG conc: bodies running); "
-        "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "
-        "turn; REMAINING and NEXT FREE count them)."
-    )
-    if not app and any(row.limit is None for row in rows):
-        lines.append(
-            "Without the app (-A proj), a key's declared limit, REMAINING and NEXT FREE "
-            "are unknown (?): what Redis holds is shown."
-        )
-    return lines
-
-
-def format_settings(rows: Sequence[KeySettings]) -> list[str]:
-    """The lines ``status`` prints about paused keys and rate overrides."""
-    lines = []
-    for row in rows:
-        if row.paused_for:
-            lines.append(f"paused {row.key}: nothing is granted on it {in_seconds(row.paused_for)}")
-        if row.override is not None:
-            left = row.override_for
-            until = "until unset" if left is None else f"ends {in_seconds(left)}"
-            lines.append(f"override {row.key}: {row.override} ({until})")
-        for seen in row.seen:
-            what = f"upstream {row.key} ({seen.algorithm} {_window(seen.window_us)}):"
-            if seen.reset_in:
-                what += f" {seen.remaining} left, full again {in_seconds(seen.reset_in)}"
-            if seen.quota:
-                what += f"{',' if seen.reset_in else ''} quota {seen.quota}"
-            lines.append(what)
-        for algorithm, window_us, limit in row.effective:
-            lines.append(
-                f"adapting {row.key} ({algorithm} {_window(window_us)}): effective "
-                f"{Rate(limit, window_us)} (the declared rate when lower)"
-            )
-    return lines
-
-
 __all__ = [
     "KeyName",
     "KeySettings",
     "KeyStatus",
     "KnownLimit",
-    "format_settings",
-    "format_status",
     "key_settings",
     "key_status",
     "known_limits",
