@@ -3,107 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calendar import check_window, zone_of
+from .concurrency import DEFAULT_LEASE, Concurrency, KeyFunc, WeightFunc
 from .exceptions import InvalidLimit
 from .rate import Rate
+from .validate import _fair_fields, check_cost, check_weight, template_fields
 
 Algorithm = Literal["log", "counter"]
 RedisErrorPolicy = Literal["defer", "allow", "raise"]
-KeyFunc = Callable[..., object]
 CostFunc = Callable[..., int]
 RateFunc = Callable[..., "str | Rate"]
-WeightFunc = Callable[..., float]
 
 ALGORITHMS: tuple[str, ...] = ("log", "counter")
 REDIS_ERROR_POLICIES: tuple[str, ...] = ("defer", "allow", "raise")
-
-
-def check_cost(cost: object, where: str = "cost") -> int:
-    """Return ``cost`` if it is a positive int (not a bool), else raise.
-
-    Raises:
-        TypeError: ``cost`` is a bool, a float or not a number.
-        InvalidLimit: ``cost`` is zero or negative.
-    """
-    if isinstance(cost, bool) or not isinstance(cost, int):
-        raise TypeError(f"{where} must be a positive int, got {cost!r}")
-    if cost < 1:
-        raise InvalidLimit(f"{where} must be a positive int, got {cost!r}")
-    return cost
-
-
-def check_weight(weight: object, where: str = "fair_weight") -> float:
-    """Return ``weight`` as a float if it is a positive finite number (not a bool).
-
-    Raises:
-        InvalidLimit: ``weight`` is not a number, or is zero, negative, NaN or infinite.
-    """
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise InvalidLimit(f"{where} must be a positive number, got {weight!r}")
-    if not (math.isfinite(weight) and weight > 0):
-        raise InvalidLimit(f"{where} must be a positive finite number, got {weight!r}")
-    return float(weight)
-
-
-def _fair_fields(fair_key: object, what: str) -> tuple[str, ...]:
-    """The argument names a ``fair_key`` template refers to (none for a callable).
-
-    Raises:
-        InvalidLimit: an empty or bad template. TypeError: neither a string nor a callable.
-    """
-    if fair_key is None or callable(fair_key):
-        return ()
-    if not isinstance(fair_key, str):
-        raise TypeError(f"{what} fair_key must be a string, a callable or None, got {fair_key!r}")
-    if not fair_key:
-        raise InvalidLimit(f"{what} fair_key must not be empty")
-    return template_fields(fair_key)
-
-
-#: Characters that stay as they are in a template's literal text and that an argument
-#: value can never contain unescaped (values keep only ``[A-Za-z0-9_.@-]``, literals
-#: escape ``{}%#``; see ``keys``): one of them must separate two fields.
-_SEPARATORS = frozenset(map(chr, range(0x21, 0x7F))) - set(
-    string.ascii_letters + string.digits + "_.@-{}%#"
-)
-
-
-def template_fields(template: str) -> tuple[str, ...]:
-    """The argument names a key template refers to; validates its braces.
-
-    Raises:
-        InvalidLimit: unbalanced braces, an empty ``{}``, or a field that is not a plain
-            argument name or position (``{user.id}``, ``{x!r}`` and ``{x:>5}`` are refused),
-            or two fields not separated by a character such as ``:`` (``{a}-{b}``).
-    """
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise InvalidLimit(f"bad key template {template!r}: {exc}") from None
-    names: list[str] = []
-    for literal, name, spec, conversion in parsed:
-        if name is not None and names and not set(literal) & _SEPARATORS:
-            # "{a}-{b}" would give ("x-y", "z") and ("x", "y-z") one key
-            raise InvalidLimit(
-                f"bad key template {template!r}: fields {{{names[-1]}}} and {{{name}}} "
-                "must be separated by ':' (or another character that argument values "
-                "cannot contain unescaped), or two different calls could share a key"
-            )
-        if name is None:
-            continue
-        if not (name.isidentifier() or name.isdigit()) or spec or conversion:
-            raise InvalidLimit(
-                f"bad key template {template!r}: field {{{name}}} must be a plain "
-                "argument name such as {tenant} or a position such as {0}"
-            )
-        names.append(name)
-    return tuple(names)
 
 
 @dataclass(frozen=True, init=False)
@@ -244,12 +160,7 @@ class Limit:
         return "cal" if self.align is not None else self.algorithm
 
     def _validate(self) -> None:
-        if self.key is not None and not isinstance(self.key, str) and not callable(self.key):
-            raise TypeError(f"Limit key must be a string, a callable or None, got {self.key!r}")
-        if isinstance(self.key, str):
-            if not self.key:
-                raise InvalidLimit("Limit key must not be empty")
-            object.__setattr__(self, "fields", template_fields(self.key))
+        self._check_key()
         if not callable(self.cost):
             check_cost(self.cost, "Limit cost")
             if isinstance(self.rate, Rate) and self.cost > self.rate.limit:
@@ -257,17 +168,7 @@ class Limit:
                     f"Limit cost {self.cost} is greater than the limit of {self.rate}: "
                     "such a call could never run"
                 )
-        if self.algorithm not in ALGORITHMS:
-            raise InvalidLimit(
-                f"unknown algorithm {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}"
-            )
-        if self.on_redis_error is not None and self.on_redis_error not in REDIS_ERROR_POLICIES:
-            raise InvalidLimit(
-                f"unknown on_redis_error {self.on_redis_error!r}: expected one of "
-                f"{', '.join(REDIS_ERROR_POLICIES)}"
-            )
-        if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise InvalidLimit(f"Limit name must be a non-empty string, got {self.name!r}")
+        self._check_options()
         if self.align is not None:
             zone_of(self.align)
             if isinstance(self.rate, Rate):
@@ -283,6 +184,27 @@ class Limit:
                 )
         with contextlib.suppress(TypeError):  # an unhashable callable key or cost:
             self.__dict__["_hash"] = hash(self._identity())  # hashing it raises, as ever
+
+    def _check_key(self) -> None:
+        if self.key is not None and not isinstance(self.key, str) and not callable(self.key):
+            raise TypeError(f"Limit key must be a string, a callable or None, got {self.key!r}")
+        if isinstance(self.key, str):
+            if not self.key:
+                raise InvalidLimit("Limit key must not be empty")
+            object.__setattr__(self, "fields", template_fields(self.key))
+
+    def _check_options(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise InvalidLimit(
+                f"unknown algorithm {self.algorithm!r}: expected one of {', '.join(ALGORITHMS)}"
+            )
+        if self.on_redis_error is not None and self.on_redis_error not in REDIS_ERROR_POLICIES:
+            raise InvalidLimit(
+                f"unknown on_redis_error {self.on_redis_error!r}: expected one of "
+                f"{', '.join(REDIS_ERROR_POLICIES)}"
+            )
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise InvalidLimit(f"Limit name must be a non-empty string, got {self.name!r}")
 
     def _check_burst(self) -> None:
         burst = self.burst
@@ -345,106 +267,6 @@ class Limit:
         )
 
 
-#: A concurrency slot's lease when neither the limit nor the task gives one (seconds).
-DEFAULT_LEASE = 300.0
-
-
-@dataclass(frozen=True, init=False)
-class Concurrency:
-    """At most ``n`` task bodies running at once per key, across every worker.
-
-    Accepted wherever a :class:`Limit` is, and checked with the rate limits in the same
-    script call, all or nothing. A body holds its slot from its start to its end; a
-    slot whose holder was lost (a worker killed) comes back when its lease runs out.
-
-    Args:
-        n: how many at once (a positive int).
-        key: what shares the slots, as a Limit's key (a template such as
-            ``"erp:{tenant}"``, or a callable); default: the task name.
-        lease: seconds a slot is held without news from its holder (renewed while the
-            body runs). Default: the task's ``time_limit``, else the setting
-            ``ratelimit_concurrency_lease`` (300 s); outside Celery 300 s.
-        name: a label for logs and metrics; defaults to ``key@n at once``.
-        fair_key, fair_weight: as a :class:`Limit`'s: turns go to the waiting values
-            of ``fair_key`` in proportion to their weights, not in arrival order.
-
-    Raises:
-        InvalidLimit: ``n`` or ``lease`` not positive, a bad template, name or weight.
-        TypeError: ``n`` not an int, a key of the wrong type.
-
-    Example::
-
-        Concurrency(1, key="erp:{tenant}")
-    """
-
-    n: int
-    key: str | KeyFunc | None
-    lease: float | None
-    name: str | None
-    fair_key: str | KeyFunc | None
-    fair_weight: float | WeightFunc
-    fields: tuple[str, ...] = field(repr=False, compare=False)
-    fair_fields: tuple[str, ...] = field(repr=False, compare=False)
-    #: what the rest of the library reads off any limit
-    cost = 1
-    algorithm = kind = "conc"
-    on_redis_error = None
-    adapt = False
-
-    def __init__(
-        self,
-        n: int,
-        key: str | KeyFunc | None = None,
-        *,
-        lease: float | None = None,
-        name: str | None = None,
-        adapt: bool = False,
-        fair_key: str | KeyFunc | None = None,
-        fair_weight: float | WeightFunc = 1,
-    ) -> None:
-        if adapt is not False:
-            raise InvalidLimit(
-                f"Concurrency({n!r}, key={key!r}) cannot adapt: adapt=True follows an "
-                "upstream's rate, and a Concurrency counts running bodies, not a rate "
-                "(give it to the Limit stacked with it)"
-            )
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"Concurrency n must be a positive int, got {n!r}")
-        if n < 1:
-            raise InvalidLimit(f"Concurrency n must be a positive int, got {n!r}")
-        if lease is not None and (
-            isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0
-        ):
-            raise InvalidLimit(
-                f"Concurrency lease must be a positive number of seconds, got {lease!r}"
-            )
-        if key is not None and not isinstance(key, str) and not callable(key):
-            raise TypeError(f"Concurrency key must be a string, a callable or None, got {key!r}")
-        if key == "":
-            raise InvalidLimit("Concurrency key must not be empty")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise InvalidLimit(f"Concurrency name must be a non-empty string, got {name!r}")
-        set_ = object.__setattr__
-        set_(self, "n", n)
-        set_(self, "key", key)
-        set_(self, "lease", None if lease is None else float(lease))
-        set_(self, "name", name)
-        set_(self, "fields", template_fields(key) if isinstance(key, str) else ())
-        set_(self, "fair_key", fair_key)
-        set_(
-            self, "fair_weight", fair_weight if callable(fair_weight) else check_weight(fair_weight)
-        )
-        set_(self, "fair_fields", _fair_fields(fair_key, f"Concurrency({n!r}, key={key!r})"))
-
-    @property
-    def label(self) -> str:
-        """``name`` if given, else ``key@n at once`` (for logs and metrics)."""
-        if self.name:
-            return self.name
-        key = self.key if isinstance(self.key, str) else getattr(self.key, "__name__", "task")
-        return f"{key or 'task'}@{self.n} at once"
-
-
 AnyLimit = Limit | Concurrency
 LimitSpec = str | Rate | Limit | Concurrency | Iterable[str | Rate | Limit | Concurrency]
 
@@ -470,32 +292,39 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
                 _PARSED.clear()
             _PARSED[spec] = parsed
         return parsed
-    if isinstance(spec, Rate):
-        items: Sequence[object] = [Limit(spec)]
-    elif isinstance(spec, (Limit, Concurrency)):
-        items = [spec]
-    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, Mapping)):
-        items = list(spec)
-    else:
-        raise TypeError(f"{what} must be a rate string, a Limit or a list of Limits, got {spec!r}")
     limits: list[Limit] = []
     slots: list[Concurrency] = []
-    for item in items:
+    for item in _items(spec, what):
         if isinstance(item, (str, Rate)):
             item = Limit(item)
         if isinstance(item, Concurrency):
             slots.append(item)
-            continue
-        if not isinstance(item, Limit):
+        elif isinstance(item, Limit):
+            limits.append(item)
+        else:
             raise TypeError(
                 f"{what} must contain rate strings, Limits or Concurrency, got {item!r}"
             )
-        limits.append(item)
+    return _ordered(limits, slots, what)
+
+
+def _items(spec: object, what: str) -> Sequence[object]:
+    if isinstance(spec, Rate):
+        return [Limit(spec)]
+    if isinstance(spec, (Limit, Concurrency)):
+        return [spec]
+    if isinstance(spec, Iterable) and not isinstance(spec, (bytes, Mapping)):
+        return list(spec)
+    raise TypeError(f"{what} must be a rate string, a Limit or a list of Limits, got {spec!r}")
+
+
+def _ordered(limits: list[Limit], slots: list[Concurrency], what: str) -> tuple[Any, ...]:
+    """Sliding rate limits, aligned ones, then concurrency limits, checked together."""
     if not limits and not slots:
         raise InvalidLimit(f"{what} must not be empty: give at least one rate or Limit")
     every: list[Limit | Concurrency] = [*limits, *slots]
     fair = [limit for limit in every if limit.fair_key is not None]
-    if fair and len(limits) + len(slots) > 1:
+    if fair and len(every) > 1:
         raise InvalidLimit(
             f"{what}: {fair[0].label} has a fair_key, and fair shares are kept for a call "
             "of one Limit or Concurrency: it cannot be stacked with other limits"
@@ -529,8 +358,12 @@ __all__ = [
     "DEFAULT_LEASE",
     "AnyLimit",
     "Concurrency",
+    "CostFunc",
+    "KeyFunc",
     "Limit",
     "LimitSpec",
+    "RateFunc",
+    "WeightFunc",
     "check_cost",
     "check_weight",
     "describe",
