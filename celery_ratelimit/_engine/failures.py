@@ -101,7 +101,13 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
     if text.startswith("No master found"):
         # redis-py appends every sentinel client's repr, a few kB each
         text = text.split(" : <", 1)[0] + ": no sentinel named a primary"
-    code = text.split(" ", 1)[0]
+    return _by_class(exc, text, doing, user, prefix) or _by_text(text, doing, prefix)
+
+
+def _by_class(
+    exc: Exception, text: str, doing: str, user: str | None, prefix: str
+) -> RateLimitError | None:
+    """The error that redis-py's exception class tells (None: the text must)."""
     if isinstance(exc, (errors.AuthenticationError, errors.AuthorizationError)):
         return LimiterMisconfigured(
             f"Redis refused the limiter's credentials during {doing} ({text}): check the "
@@ -135,6 +141,12 @@ def translate(exc: Exception, doing: str, user: str | None, prefix: str) -> Rate
             f"the limiter's Redis URL does not point at a Redis server ({text}) during "
             f"{doing}: check the host and port of ratelimit_redis_url"
         )
+    return None
+
+
+def _by_text(text: str, doing: str, prefix: str) -> RateLimitError:
+    """The error that Redis's reply tells by its words."""
+    code = text.split(" ", 1)[0]
     if code in TRANSIENT_CODES or any(f" {c} " in f" {text} " for c in TRANSIENT_CODES):
         return LimiterUnavailable(f"Redis failed during {doing}: {text}")
     if "WRONGTYPE" in text:
