@@ -78,7 +78,9 @@ class AsyncLimiter(LimiterBase):
         """As :meth:`Limiter.acquire`."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
         how = "reserve" if reserve else "now"
-        return await self._decide(self._acquire_call(key, call, how, fair, fair_weight))
+        return await self._decide(
+            self._acquire_call(key, call, how, fair=fair, fair_weight=fair_weight)
+        )
 
     async def peek(
         self,
@@ -111,7 +113,9 @@ class AsyncLimiter(LimiterBase):
         started = self._start_call(token, key, call, reserved=True)
         decision = self._decision(started, await self._script_reply(started))
         if decision is None:  # started on already: compete as a new call
-            return await self._decide(self._acquire_call(key, call, "reserve", fair, fair_weight))
+            return await self._decide(
+                self._acquire_call(key, call, "reserve", fair=fair, fair_weight=fair_weight)
+            )
         return decision
 
     async def release(

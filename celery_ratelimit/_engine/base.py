@@ -176,9 +176,9 @@ class LimiterBase:
         key: str | Sequence[str],
         shape: Shape,
         how: str,
+        redis_keys: list[str] | None = None,
         fair: str | None = None,
         fair_weight: float | None = None,
-        redis_keys: list[str] | None = None,
     ) -> ScriptCall:
         """The call of an acquisition: ``how`` is ``"now"``, ``"reserve"`` or ``"peek"``
         (the counter reserves nothing: it counts now or denies); ``fair``,

@@ -126,7 +126,7 @@ class Limiter(LimiterBase):
         """
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
         how = "reserve" if reserve else "now"
-        return self._decide(self._acquire_call(key, call, how, fair, fair_weight))
+        return self._decide(self._acquire_call(key, call, how, fair=fair, fair_weight=fair_weight))
 
     def peek(
         self,
@@ -172,7 +172,9 @@ class Limiter(LimiterBase):
         started = self._start_call(token, key, call, reserved=True)
         decision = self._decision(started, self._script_reply(started))
         if decision is None:  # started on already: compete as a new call
-            return self._decide(self._acquire_call(key, call, "reserve", fair, fair_weight))
+            return self._decide(
+                self._acquire_call(key, call, "reserve", fair=fair, fair_weight=fair_weight)
+            )
         return decision
 
     def restamp(
