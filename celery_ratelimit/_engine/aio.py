@@ -15,8 +15,8 @@ import redis.asyncio
 from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
 from .client import check_url
 from .decision import Decision
-from .exceptions import InvalidRedisURL, RateLimitError
-from .failures import check_versions, translate
+from .exceptions import InvalidRedisURL
+from .failures import check_versions
 from .headers import parse
 from .layout import key_glob, keys_among, stored_with
 from .limit import LimitSpec, to_limits
@@ -77,9 +77,10 @@ class AsyncLimiter(LimiterBase):
     ) -> Decision:
         """As :meth:`Limiter.acquire`."""
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
-        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
         how = "reserve" if reserve else "now"
-        return await self._decide(self._acquire_call(key, call, how, fair=fairly))
+        return await self._decide(
+            self._acquire_call(key, call, how, fair=fair, fair_weight=fair_weight)
+        )
 
     async def peek(
         self,
@@ -90,9 +91,8 @@ class AsyncLimiter(LimiterBase):
         guard: float = 0.0,
     ) -> Decision:
         """As :meth:`Limiter.peek`: what ``acquire`` would answer, counting nothing."""
-        return await self._decide(
-            self._acquire_call(key, shape(to_limits(limits), cost, guard=guard), "peek")
-        )
+        call = shape(to_limits(limits), cost, guard=guard)
+        return await self._decide(self._acquire_call(key, call, "peek"))
 
     async def confirm(
         self,
@@ -112,10 +112,10 @@ class AsyncLimiter(LimiterBase):
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
         started = self._start_call(token, key, call, reserved=True)
         decision = self._decision(started, await self._script_reply(started))
-        if decision is None:
-            # the reservation was already started on: compete as a new call
-            fairly = self.fair_of(key, call.limits, fair, fair_weight)
-            return await self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
+        if decision is None:  # started on already: compete as a new call
+            return await self._decide(
+                self._acquire_call(key, call, "reserve", fair=fair, fair_weight=fair_weight)
+            )
         return decision
 
     async def release(
@@ -213,11 +213,6 @@ class AsyncLimiter(LimiterBase):
             raise self.translate(exc, self.failed_check()) from exc
         self._checked = True
 
-    def translate(self, exc: Exception, doing: str) -> RateLimitError:
-        """The library's exception for a redis-py one (see ``failures``)."""
-        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
-        return translate(exc, doing, kwargs.get("username"), self.prefix)
-
     async def aclose(self) -> None:
         """Close the client's connections."""
         close = getattr(self.client, "aclose", None) or self.client.close  # redis-py < 5.0.1
@@ -225,10 +220,7 @@ class AsyncLimiter(LimiterBase):
 
     async def _decide(self, call: ScriptCall) -> Decision:
         """As :meth:`Limiter._decide`."""
-        decision = self._decision(call, await self._script_reply(call))
-        if decision is None:  # only a reservation's start may find it spent
-            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
-        return decision
+        return self._decided(call, await self._script_reply(call))
 
     async def _script_reply(self, call: ScriptCall) -> Any:
         if not self._checked:

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .decision import TOKEN_BYTES, Decision, parse_token, token_of
-from .exceptions import InvalidLimit
+from .exceptions import InvalidLimit, RateLimitError
+from .failures import translate
 from .headers import Budget, Observation
 from .keys import escape_key, fixed_key
 from .layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
@@ -176,20 +177,22 @@ class LimiterBase:
         shape: Shape,
         how: str,
         redis_keys: list[str] | None = None,
-        fair: tuple[str, float] | None = None,
+        fair: str | None = None,
+        fair_weight: float | None = None,
     ) -> ScriptCall:
         """The call of an acquisition: ``how`` is ``"now"``, ``"reserve"`` or ``"peek"``
-        (the counter reserves nothing: it counts now or denies); ``fair``: the call's
-        fair-key value (escaped) and weight (see :meth:`fair_of`)."""
+        (the counter reserves nothing: it counts now or denies); ``fair``,
+        ``fair_weight``: a reservation's, as :meth:`fair_of` takes them."""
+        fairly = self.fair_of(key, shape.limits, fair, fair_weight) if how == "reserve" else None
         script = "counter" if _counter(shape.limits) else "acquire"
         call = self._decision_call(script, how, key, shape, redis_keys=redis_keys)
-        if fair is None or how != "reserve" or script != "acquire":
+        if fairly is None or script != "acquire":
             return call
         log = call.keys[0]
         return call._replace(
             script=shape.script(script, fair=True),
             keys=[*call.keys, log + FAIR_TAGS, log + FAIR_STATE],
-            args=[*call.args, fair[0], repr(fair[1])],
+            args=[*call.args, fairly[0], repr(fairly[1])],
         )
 
     @staticmethod
@@ -257,11 +260,7 @@ class LimiterBase:
         return self._decision_call("release", flag, key, call, token)
 
     def _settle_call(
-        self,
-        token: str,
-        key: str | Sequence[str],
-        limits: LimitSpec,
-        cost: int | Sequence[int],
+        self, token: str, key: str | Sequence[str], limits: LimitSpec, cost: int | Sequence[int]
     ) -> ScriptCall:
         """The call that makes ``token``'s counted cost ``cost`` (what it was counted at,
         the token carries): one int for every limit, or one per limit."""
@@ -413,6 +412,19 @@ class LimiterBase:
                 f"'{{yt}}:search'; '{{{{yt}}}}:quota' in a template), got keys {keys}"
             )
         return script_keys(keys, limits)
+
+    def translate(self, exc: Exception, doing: str) -> RateLimitError:
+        """The library's exception for a redis-py one (see ``failures``)."""
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        return translate(exc, doing, kwargs.get("username"), self.prefix)
+
+    def _decided(self, call: ScriptCall, reply: Any) -> Decision:
+        """The Decision a script's ``reply`` to ``call`` means, for a call that starts no
+        reservation (only a reservation's start may find it spent)."""
+        decision = self._decision(call, reply)
+        if decision is None:
+            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
+        return decision
 
     def _decision(self, call: ScriptCall, reply: Any) -> Decision | None:
         """The Decision a script's ``reply`` to ``call`` means; None if the reservation

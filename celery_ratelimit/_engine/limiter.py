@@ -10,8 +10,8 @@ import redis
 from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
 from .client import HeldConnection, client_from_url
 from .decision import Decision, parse_token
-from .exceptions import InvalidLimit, LimiterUnavailable, RateLimitError
-from .failures import check_versions, not_redis_error, translate
+from .exceptions import InvalidLimit, LimiterUnavailable
+from .failures import check_versions, not_redis_error
 from .headers import Observation, parse
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
@@ -125,9 +125,8 @@ class Limiter(LimiterBase):
                 its version): the message names the fix.
         """
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease, lead=lead)
-        fairly = self.fair_of(key, call.limits, fair, fair_weight) if reserve else None
         how = "reserve" if reserve else "now"
-        return self._decide(self._acquire_call(key, call, how, fair=fairly))
+        return self._decide(self._acquire_call(key, call, how, fair=fair, fair_weight=fair_weight))
 
     def peek(
         self,
@@ -142,7 +141,7 @@ class Limiter(LimiterBase):
         ``redis_keys``: the limits' Redis keys as found by a scan (``key`` is then
         ignored)."""
         call = shape(to_limits(limits), cost, guard=guard)
-        return self._decide(self._acquire_call(key, call, "peek", redis_keys))
+        return self._decide(self._acquire_call(key, call, "peek", redis_keys=redis_keys))
 
     def confirm(
         self,
@@ -172,9 +171,10 @@ class Limiter(LimiterBase):
         call = shape(to_limits(limits), cost, horizon, guard, hold, lease)
         started = self._start_call(token, key, call, reserved=True)
         decision = self._decision(started, self._script_reply(started))
-        if decision is None:
-            fairly = self.fair_of(key, call.limits, fair, fair_weight)
-            return self._decide(self._acquire_call(key, call, "reserve", fair=fairly))
+        if decision is None:  # started on already: compete as a new call
+            return self._decide(
+                self._acquire_call(key, call, "reserve", fair=fair, fair_weight=fair_weight)
+            )
         return decision
 
     def restamp(
@@ -451,19 +451,11 @@ class Limiter(LimiterBase):
         """
         return self._scripts[name](keys=keys, args=args)
 
-    def translate(self, exc: Exception, doing: str) -> RateLimitError:
-        """The library's exception for a redis-py one (see ``failures``)."""
-        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
-        return translate(exc, doing, kwargs.get("username"), self.prefix)
-
     # -- the calls ------------------------------------------------------------------
 
     def _decide(self, call: ScriptCall) -> Decision:
         """The Decision of a decision script's call that starts no reservation."""
-        decision = self._decision(call, self._script_reply(call))
-        if decision is None:  # only a reservation's start may find it spent
-            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
-        return decision
+        return self._decided(call, self._script_reply(call))
 
     def _script_reply(self, call: ScriptCall) -> Any:
         """The script's reply to ``call`` (on the held connection).

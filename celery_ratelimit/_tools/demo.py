@@ -16,7 +16,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from .._celery.park import park_calls
@@ -184,20 +184,18 @@ def ideal_why(tasks: int, rate: Rate, burst: int | None = None) -> str:
     )
 
 
+@dataclass(eq=False)
 class Demo:
     """Processes of one demo run; ``close`` stops them all."""
 
-    def __init__(
-        self, nodes: int, rate: Rate, reserve: bool, out: TextIO, burst: int | None = None
-    ) -> None:
-        self.nodes = nodes
-        self.rate = rate
-        self.burst = burst
-        self.reserve = reserve
-        self.out = out
-        self.redis: RedisServer | None = None
-        self.broker: RedisServer | None = None
-        self.workers: WorkerNodes | None = None
+    nodes: int
+    rate: Rate
+    reserve: bool
+    out: TextIO
+    burst: int | None = None
+    redis: RedisServer | None = field(default=None, init=False)
+    broker: RedisServer | None = field(default=None, init=False)
+    workers: WorkerNodes | None = field(default=None, init=False)
 
     def start(self) -> None:
         self.out.write("starting two private redis-servers (broker, limiter) ... ")
