@@ -7,6 +7,7 @@ The deferral is ``defer``'s; the message headers it writes are named here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from .._engine.limiter import Limiter
 from . import clock
 from .beside import attach
 from .clock import observe
-from .green import lead
+from .green import _pool, lead
 from .metrics import metrics_for
 from .plan import Plan
 from .settings import limiter_for, park_after, setting
@@ -104,9 +105,10 @@ class Check:
         self.task, self.plan, self.args, self.kwargs = task, plan, args, kwargs
         self.request = task.request
         self.keys, self.costs, self.limits = plan.resolve(args, kwargs)
-        self.fair = plan.fair(args, kwargs)
+        self.fair = plan.fair(args, kwargs) if plan.fairly else None
         here = _process_settings(task)
         self.limiter = here.limiter
+        self.green = here.green
         self.metrics = here.metrics  # None unless ratelimit_metrics is on
         calls = vars(self.request)
         self.max_countdown = (
@@ -151,7 +153,7 @@ class Check:
         fair: dict[str, Any] = {}
         if self.fair is not None:
             fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
-        self.lead = lead(limits) if token is None else 0.0
+        self.lead = lead(limits) if token is None and self.green else 0.0
         if token is None:
             decision = limiter.acquire(
                 keys, limits, costs, reserve=reserve, lead=self.lead, **options, **fair
@@ -310,6 +312,7 @@ class _ProcessSettings:
     metrics: Any
     park_after: float | None  # an app-wide setting: every node's mover must agree
     concurrency_lease: float
+    green: bool  # a gevent or eventlet pool: this process's sockets are theirs
 
 
 def _process_settings(task: Any) -> _ProcessSettings:
@@ -327,11 +330,13 @@ def _process_settings(task: Any) -> _ProcessSettings:
         metrics=metrics_for(app),
         park_after=park_after(app),
         concurrency_lease=setting("ratelimit_concurrency_lease", app, task),
+        green=bool(_pool()),
     )
     cls._ratelimit_settings = resolved
     return resolved
 
 
+@functools.lru_cache(maxsize=1024)
 def start_tolerance(limits: tuple[Limit | Concurrency, ...], guard: float) -> float:
     """How late (seconds) a body may start after its grant without a restamp: half the
     slack ``guard`` adds to the tightest window (``lua/lib/log.lua``: starts are

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from .._engine.exceptions import InvalidLimit, InvalidRate
@@ -54,8 +55,9 @@ class Plan:
         costs: list[int] = []
         limits: list[AnyLimit] = []
         for limit in self.limits:
+            rated = False
             if not isinstance(limit, Concurrency) and callable(limit.rate):
-                limit = _rated(limit, args, kwargs)
+                limit, rated = _rated(limit, args, kwargs), True
             limits.append(limit)
             key = limit.key
             if key is None:
@@ -73,16 +75,23 @@ class Plan:
                 costs.append(1)  # a body holds one slot
                 continue
             cost = limit.cost
-            if callable(cost):
-                cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)
-            check_cost(cost, f"cost of {limit.label}")
-            if cost > limit.fixed_rate.limit:
-                raise InvalidLimit(
-                    f"cost {cost} of {self.task_name} is greater than the limit "
-                    f"{limit.label}: it could never run"
-                )
+            if callable(cost) or rated:
+                # a declared cost was checked against a declared rate when declared
+                if callable(cost):
+                    cost = _call_user(cost, f"cost function of {limit.label}", args, kwargs)
+                check_cost(cost, f"cost of {limit.label}")
+                if cost > limit.fixed_rate.limit:
+                    raise InvalidLimit(
+                        f"cost {cost} of {self.task_name} is greater than the limit "
+                        f"{limit.label}: it could never run"
+                    )
             costs.append(cost)
         return Call(tuple(keys), tuple(costs), tuple(limits))
+
+    @cached_property
+    def fairly(self) -> bool:
+        """Has a limit a ``fair_key`` (see :meth:`fair`)?"""
+        return any(getattr(one, "fair_key", None) for one in self.limits)
 
     def fair(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str, float] | None:
         """The fair-key value (escaped) and weight of this call, or None when no limit

@@ -168,7 +168,8 @@ class LimiterBase:
         else:
             keys = self._every(redis_keys, shape.limits)
         token_bytes = os.urandom(TOKEN_BYTES) if token is None else parse_token(token)[0]
-        args: list[Any] = [token_bytes, flag, *shape.arguments()]
+        fixed = shape.fixed_arguments
+        args: list[Any] = [token_bytes, flag, *(shape.arguments() if fixed is None else fixed)]
         return ScriptCall(shape.script(script), keys, args, shape.limits, shape.costs)
 
     def _acquire_call(
@@ -183,8 +184,10 @@ class LimiterBase:
         """The call of an acquisition: ``how`` is ``"now"``, ``"reserve"`` or ``"peek"``
         (the counter reserves nothing: it counts now or denies); ``fair``,
         ``fair_weight``: a reservation's, as :meth:`fair_of` takes them."""
-        fairly = self.fair_of(key, shape.limits, fair, fair_weight) if how == "reserve" else None
-        script = "counter" if _counter(shape.limits) else "acquire"
+        fairly = None
+        if how == "reserve" and (shape.fair_limit is not None or fair is not None):
+            fairly = self.fair_of(key, shape.limits, fair, fair_weight)
+        script = "counter" if shape.counter else "acquire"
         call = self._decision_call(script, how, key, shape, redis_keys=redis_keys)
         if fairly is None or script != "acquire":
             return call

@@ -25,6 +25,7 @@ is: escaping a key twice gives the key, so the string ``status`` shows is the ke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import string
@@ -68,18 +69,22 @@ def _tag_span(key: str) -> tuple[int, int] | None:
     return (start, end) if end > start + 1 else None
 
 
+def _escape_braces(text: str) -> str:
+    return text.replace("{", "%7B").replace("}", "%7D")
+
+
 def _own_tag(key: str) -> str:
     """``key`` with every brace escaped but the pair that names its tag."""
     span = _tag_span(key)
     if span is None:
-        return _BRACE.sub(lambda m: "%7B" if m.group() == "{" else "%7D", key)
+        return _escape_braces(key)
     start, end = span
     return (
         _own_tag(key[:start])
         + "{"
         + _own_tag(key[start + 1 : end])
         + "}"
-        + (_BRACE.sub(lambda m: "%7B" if m.group() == "{" else "%7D", key[end + 1 :]))
+        + _escape_braces(key[end + 1 :])
     )
 
 
@@ -90,11 +95,27 @@ def _bounded(key: str) -> str:
     return f"{_BRACE.sub('_', head)}:#{hashlib.sha256(key.encode()).hexdigest()[:32]}"
 
 
+def _finished(key: str) -> str:
+    """An escaped key's braces settled (:func:`_own_tag`) and its length bounded."""
+    if "{" in key or "}" in key:
+        key = _own_tag(key)
+    return key if len(key) <= MAX_KEY else _bounded(key)
+
+
 def escape_key(key: str) -> str:
     """Escape a key given by code (not by a task argument): keeps ``:`` as structure and
     a ``{tag}`` of its own, escapes other braces, ``%``, ``#``, spaces and control
     characters; bounds its length."""
-    return _bounded(_own_tag(escape_literal(key)))
+    return _finished(escape_literal(key))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(template: str) -> tuple[tuple[str, str | None], ...]:
+    """A template as (escaped literal text, field name or None) pairs, parsed once."""
+    return tuple(
+        (escape_literal(literal), name)
+        for literal, name, _spec, _conv in string.Formatter().parse(template)
+    )
 
 
 def render(template: str, arguments: Mapping[str, object], args: tuple[object, ...]) -> str:
@@ -108,8 +129,8 @@ def render(template: str, arguments: Mapping[str, object], args: tuple[object, .
         InvalidLimit: the template names an argument this call does not have.
     """
     pieces: list[str] = []
-    for literal, name, _spec, _conv in string.Formatter().parse(template):
-        pieces.append(escape_literal(literal))
+    for literal, name in _pieces(template):
+        pieces.append(literal)
         if name is None:
             continue
         if name.isdigit():
@@ -127,7 +148,7 @@ def render(template: str, arguments: Mapping[str, object], args: tuple[object, .
                 f"does not have (arguments: {', '.join(arguments) or 'none'})"
             )
         pieces.append(escape_part(value))
-    return _bounded(_own_tag("".join(pieces)))
+    return _finished("".join(pieces))
 
 
 def fixed_key(template: str) -> str:

@@ -272,6 +272,8 @@ LimitSpec = str | Rate | Limit | Concurrency | Iterable[str | Rate | Limit | Con
 
 
 _PARSED: dict[str, tuple[Limit, ...]] = {}
+#: Tuples of limits, normalized (the same limits give the same tuple).
+_NORMALIZED: dict[tuple[object, ...], tuple[Any, ...]] = {}
 
 
 def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
@@ -292,6 +294,10 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
                 _PARSED.clear()
             _PARSED[spec] = parsed
         return parsed
+    if type(spec) is tuple:
+        # the limits a task or a caller gives on every call: normalized once
+        with contextlib.suppress(KeyError, TypeError):  # TypeError: an unhashable item
+            return _NORMALIZED[spec]
     limits: list[Limit] = []
     slots: list[Concurrency] = []
     for item in _items(spec, what):
@@ -305,7 +311,13 @@ def to_limits(spec: object, what: str = "limits") -> tuple[Any, ...]:
             raise TypeError(
                 f"{what} must contain rate strings, Limits or Concurrency, got {item!r}"
             )
-    return _ordered(limits, slots, what)
+    normalized = _ordered(limits, slots, what)
+    if type(spec) is tuple:
+        with contextlib.suppress(TypeError):
+            if len(_NORMALIZED) >= 1024:
+                _NORMALIZED.clear()
+            _NORMALIZED[spec] = normalized
+    return normalized
 
 
 def _items(spec: object, what: str) -> Sequence[object]:

@@ -107,7 +107,7 @@ class Shape:
     settling: bool = False
     lead: float = 0.0
 
-    @property
+    @cached_property
     def cacheable(self) -> bool:
         """Only exact ints may be remembered: a bool or a float hashes like an int."""
         costs = self.cost if type(self.cost) is tuple else (self.cost,)
@@ -236,6 +236,27 @@ class Shape:
             if not isinstance(limit, Concurrency) and limit.align is None
         ]
         return ("#pace", *bursts) if any(bursts) else ()
+
+    @cached_property
+    def counter(self) -> bool:
+        """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
+        first = self.limits[0]
+        return (
+            not isinstance(first, Concurrency)
+            and first.align is None
+            and first.algorithm == "counter"
+        )
+
+    @cached_property
+    def fair_limit(self) -> Any:
+        """The call's limit with a ``fair_key``, or None."""
+        return next((one for one in self.limits if getattr(one, "fair_key", None)), None)
+
+    @cached_property
+    def fixed_arguments(self) -> tuple[int | str, ...] | None:
+        """:meth:`arguments` when they are the same on every call (no aligned limit,
+        whose window boundaries move with the clock), else None."""
+        return None if self.aligned else tuple(self.arguments())
 
     def arguments(self) -> list[int | str]:
         """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
