@@ -3,20 +3,28 @@ real worker (in this process, so its registry can be read) on a private Redis.""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited
+from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited
 from celery_ratelimit._celery import metrics as _metrics
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -46,6 +54,24 @@ def sample(name: str, limit: str) -> float:
     return float(value or 0.0)
 
 
+@contextlib.contextmanager
+def deferral_events(app: Celery) -> Iterator[list[dict[str, Any]]]:
+    """The ``task-ratelimited`` events the app's workers send while in the block (an
+    in-process worker started inside it, with task events on)."""
+    events: list[dict[str, Any]] = []
+    connection = app.connection_for_read()
+    receiver = app.events.Receiver(connection, handlers={"task-ratelimited": events.append})
+    listener = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
+    listener.start()
+    try:
+        yield events
+    finally:
+        receiver.should_stop = True
+        listener.join(5)
+        connection.release()
+        _metrics._task_events = None  # this process is no worker any more
+
+
 def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     server: RedisServer,
 ) -> None:
@@ -60,30 +86,22 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     def work(i: int) -> int:
         return i
 
-    events: list[dict[str, Any]] = []
-    connection = app.connection_for_read()
-    receiver = app.events.Receiver(connection, handlers={"task-ratelimited": events.append})
-    listener = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
-    listener.start()
     latency_before = (
         prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_decision_seconds_count")
         or 0.0
     )
-    try:
-        with start_worker(app, pool="solo", perform_ping_check=False, task_events=True):
-            time.sleep(0.5)  # the event receiver is bound by now
-            for i in range(8):
-                work.delay(i)
-            deadline = time.monotonic() + 30
-            while sample("celery_ratelimit_allowed_total", label) < 8:
-                assert time.monotonic() < deadline, "the tasks did not all run"
-                time.sleep(0.1)
-            time.sleep(0.5)  # the last events arrive
-    finally:
-        receiver.should_stop = True
-        listener.join(5)
-        connection.release()
-        _metrics._task_events = None  # this process is no worker any more
+    with (
+        deferral_events(app) as events,
+        start_worker(app, pool="solo", perform_ping_check=False, task_events=True),
+    ):
+        time.sleep(0.5)  # the event receiver is bound by now
+        for i in range(8):
+            work.delay(i)
+        deadline = time.monotonic() + 30
+        while sample("celery_ratelimit_allowed_total", label) < 8:
+            assert time.monotonic() < deadline, "the tasks did not all run"
+            time.sleep(0.1)
+        time.sleep(0.5)  # the last events arrive
     allowed = sample("celery_ratelimit_allowed_total", label)
     deferred = sample("celery_ratelimit_deferred_total", label)
     denied = sample("celery_ratelimit_denied_total", label)
@@ -143,3 +161,159 @@ def test_an_adapting_limit_exports_its_declared_and_effective_rates(
             time.sleep(0.05)
         assert sample("celery_ratelimit_declared_rate", label) == 20.0
         assert 10.0 <= sample("celery_ratelimit_effective_rate", label) < 20.0
+
+
+def families(text: str) -> dict[tuple[str, str], float]:
+    """(sample name, its limit label) -> value, from an exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, s.labels.get("limit", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """A prefork node (two pool processes) started with the recipe of
+    docs/operations.md serves what its pool processes counted: every task allowed once,
+    no reservation left, the deferrals of 8 calls at 4/s."""
+    label = "metrics-node-api"  # tests.apps.metrics_node's (not imported: its recipe
+    # would serve this process's metrics from any worker the tests start in it)
+    prefix, port, multiproc = f"crl-metrics-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "prom"
+    multiproc.mkdir()
+    env = {
+        **os.environ,
+        "CRL_BROKER": server.url,
+        "CRL_REDIS": server.url,
+        "CRL_PREFIX": prefix,
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+        "METRICS_PORT": str(port),
+    }
+    log = tmp_path / "node.log"
+    with log.open("wb") as out:
+        node = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "tests.apps.metrics_node", "worker",
+                "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle",
+                "--without-heartbeat", "-l", "INFO",
+            ],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        deadline = time.monotonic() + 60
+        while "ready." not in log.read_text(errors="replace"):
+            assert node.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        sender = Celery("metrics_sender", broker=server.url, set_as_current=False)
+        for i in range(8):
+            sender.send_task("tests.apps.metrics_node.call", args=(i,))
+        client = server.client()
+        while client.llen(f"{prefix}:runs") < 8:
+            assert time.monotonic() < deadline + 60, log.read_text()
+            time.sleep(0.1)
+        time.sleep(0.3)  # the last task's counts are written as it ends
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            seen = families(reply.read().decode())
+    finally:
+        node.terminate()
+        node.wait(30)
+    assert seen[("celery_ratelimit_allowed_total", label)] == 8
+    assert seen[("celery_ratelimit_deferred_total", label)] >= 4  # 8 calls at 4/s
+    assert seen.get(("celery_ratelimit_reservations", label), 0.0) == 0
+    assert seen[("celery_ratelimit_decision_seconds_count", "")] >= 8
+
+
+def test_a_concurrency_limit_counts_every_body_and_leaves_no_reservation(
+    server: RedisServer,
+) -> None:
+    """Four calls of Concurrency(1) on a threads pool: the waiting ones are handed their
+    turn or confirm it; each that ran is counted allowed once, and every reservation made
+    for a waiting call leaves the gauge when it runs."""
+    app = metrics_app(server, "metrics_conc")
+    label = "metrics-conc"
+    spans: list[tuple[float, float]] = []
+
+    @app.task(
+        name="metrics_conc.body",
+        base=RateLimitedTask,
+        ratelimit=Concurrency(1, key="metrics-conc", name=label),
+    )
+    def body(i: int) -> int:
+        begun = time.monotonic()
+        time.sleep(0.3)
+        spans.append((begun, time.monotonic()))
+        return i
+
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        for i in range(4):
+            body.delay(i)
+        deadline = time.monotonic() + 30
+        while len(spans) < 4:
+            assert time.monotonic() < deadline, "the bodies did not all run"
+            time.sleep(0.05)
+        time.sleep(0.2)
+    ordered = sorted(spans)
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(ordered))
+    assert sample("celery_ratelimit_allowed_total", label) == 4
+    assert sample("celery_ratelimit_reservations", label) == 0
+
+
+def test_an_outage_shows_as_redis_deferrals_errors_and_latency(server: RedisServer) -> None:
+    """The limiter's Redis down (the broker up): each deferral's event says why="redis",
+    every failed decision is counted and timed; back up, every task runs once."""
+    limiter_redis = RedisServer()
+    app = Celery("metrics_outage", broker=server.url, set_as_current=False)
+    app.conf.update(
+        ratelimit_redis_url=limiter_redis.url,
+        ratelimit_key_prefix="metrics",
+        ratelimit_metrics=True,
+        ratelimit_redis_error_countdown=0.3,
+        worker_hijack_root_logger=False,
+    )
+    label = "metrics-outage"
+    ran: list[int] = []
+
+    @app.task(
+        name="metrics_outage.call",
+        base=RateLimitedTask,
+        ratelimit=Limit("100/s", key="metrics-outage", name=label),
+    )
+    def call(i: int) -> int:
+        ran.append(i)
+        return i
+
+    latency = "celery_ratelimit_decision_seconds_count"
+    latency_before = prometheus_client.REGISTRY.get_sample_value(latency) or 0.0
+    try:
+        with (
+            deferral_events(app) as events,
+            start_worker(app, pool="threads", perform_ping_check=False, task_events=True),
+        ):
+            time.sleep(0.5)  # the event receiver is bound by now
+            limiter_redis.stop()
+            for i in range(2):
+                call.delay(i)
+            deadline = time.monotonic() + 30
+            while sample("celery_ratelimit_redis_errors_total", label) < 4:
+                assert time.monotonic() < deadline, "no failed decision was counted"
+                time.sleep(0.05)
+            assert not ran  # deferred while Redis is down, never run unlimited
+            limiter_redis.start()
+            while len(ran) < 2:
+                assert time.monotonic() < deadline, "the tasks did not run after the outage"
+                time.sleep(0.05)
+            time.sleep(0.5)  # the last events arrive
+    finally:
+        limiter_redis.close()
+    errors = sample("celery_ratelimit_redis_errors_total", label)
+    timed = (prometheus_client.REGISTRY.get_sample_value(latency) or 0.0) - latency_before
+    assert sorted(ran) == [0, 1]
+    assert sample("celery_ratelimit_allowed_total", label) == 2
+    assert timed >= errors + 2  # every failed decision, and the two that let the tasks run
+    outage = [e for e in events if e["why"] == "redis"]
+    assert len(outage) >= 4 and all(not e["reserved"] for e in outage)
+    assert {e["why"] for e in events} == {"redis"}

@@ -154,14 +154,19 @@ class Check:
         if self.fair is not None:
             fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
         self.lead = lead(limits) if token is None and self.green else 0.0
-        if token is None:
-            decision = limiter.acquire(
-                keys, limits, costs, reserve=reserve, lead=self.lead, **options, **fair
-            )
-        elif restamp:
-            decision = limiter.restamp(token, keys, limits, costs, **options)
-        else:
-            decision = limiter.confirm(token, keys, limits, costs, **options, **fair)
+        try:
+            if token is None:
+                decision = limiter.acquire(
+                    keys, limits, costs, reserve=reserve, lead=self.lead, **options, **fair
+                )
+            elif restamp:
+                decision = limiter.restamp(token, keys, limits, costs, **options)
+            else:
+                decision = limiter.confirm(token, keys, limits, costs, **options, **fair)
+        except (LimiterUnavailable, LimiterMisconfigured):
+            if self.metrics is not None:  # a failed or timed-out decision has a latency too
+                self.metrics.latency.observe(max(time.time() - sent, 0.0))
+            raise
         answered = time.time()
         observe(decision, sent, answered)
         if self.metrics is not None:
@@ -200,6 +205,8 @@ class Check:
                 pass  # the renewer tries again
             held.due = None
         setattr(self.request, DECISION_ATTR, Decision(True, 0, 0.0, 0.0, token=token, at=ends))
+        if self.metrics is not None:
+            self.metrics.handed(self.plan.limits)
         return True
 
     def hold(self, token: str, due: float | None = None) -> Held:
@@ -230,8 +237,6 @@ class Check:
         if decision.retry_after > 0:
             # Its start is moments away and already counted for that instant (the
             # limiter's hold): wait here rather than publish a copy and confirm.
-            if self.metrics is not None and self.mode not in (CONFIRM, RESTAMP):
-                self.metrics.held(self.plan.limits)
             time.sleep(decision.retry_after)
         late = time.monotonic() - self.sent - decision.retry_after
         if decision.retry_after == 0:

@@ -84,7 +84,7 @@ def defer(check: Check, d: Deferral) -> str | None:
     if d.denial:
         max_deferrals = check.setting("ratelimit_max_deferrals")
         if max_deferrals is not None and denials >= max_deferrals:
-            check.give_back(token)
+            _give_back(check, token)
             raise RateLimitExceeded(
                 f"{task.name}[{request.id}] was deferred {denials} times for want of "
                 f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {d.reason}"
@@ -94,7 +94,7 @@ def defer(check: Check, d: Deferral) -> str | None:
     countdown = max(d.countdown - give_way(d.countdown), 0.0)
     if token and _expires_before(task, request, countdown):
         # Celery will end the copy as expired when it arrives; its slot would be wasted.
-        check.give_back(token)
+        _give_back(check, token)
         token = None
     signature = _copy(check, countdown, token, deferrals + 1, denials)
     parked = _park(check, signature, countdown)
@@ -116,11 +116,17 @@ def defer(check: Check, d: Deferral) -> str | None:
         d.reason,
     )
     if check.metrics is not None:
-        new_slot = bool(token) and token != getattr(request, TOKEN_HEADER, None)
-        check.metrics.deferral(check.plan.limits, d.denied_by, new_slot)
+        check.metrics.deferral(check.plan.limits, d.denied_by)
     send_deferral_event(task, keys, countdown, deferrals + 1, bool(token), d.why)
     # Celery's own retry line for it is left out (see quiet): ours says more
     raise deferral(request.id, Retry(d.reason, when=countdown, sig=signature))
+
+
+def _give_back(check: Check, token: str | None) -> None:
+    """Release the reservation ``token`` (it leaves the reservations gauge)."""
+    check.give_back(token)
+    if token is not None and check.metrics is not None:
+        check.metrics.released(check.plan.limits)
 
 
 def _copy(check: Check, countdown: float, token: str | None, deferrals: int, denials: int) -> Any:

@@ -4,9 +4,12 @@ Prometheus (``pip install 'celery-ratelimit[metrics]'``, then
 ``app.conf.ratelimit_metrics = True``): every decision a worker makes is recorded in
 ``prometheus_client``'s default registry, labelled by limit name (``Limit.label``):
 
-- ``celery_ratelimit_allowed_total``, ``celery_ratelimit_denied_total``,
-  ``celery_ratelimit_deferred_total``, ``celery_ratelimit_redis_errors_total``
-- ``celery_ratelimit_decision_seconds``: latency of one limiter call (one round trip)
+- ``celery_ratelimit_allowed_total`` (a concurrency turn handed over included),
+  ``celery_ratelimit_denied_total``, ``celery_ratelimit_deferred_total``,
+  ``celery_ratelimit_redis_errors_total``, ``celery_ratelimit_paused_total``,
+  ``celery_ratelimit_late_starts_total`` (grants read too late to start on, restamped)
+- ``celery_ratelimit_decision_seconds``: latency of one limiter call (one round trip),
+  failed and timed-out calls included
 - ``celery_ratelimit_reservations``: slots reserved and not yet used. A reservation is
   made by the worker that deferred a task and used by whichever worker runs it, so one
   process's value can be negative; ``sum by (limit)`` over all workers is the count.
@@ -40,7 +43,7 @@ from typing import Any
 
 from celery import signals
 
-from .._engine.base import CONFIRM, RESTAMP
+from .._engine.base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
 from .._engine.decision import Decision
 from .._engine.layout import EFF_FIELD, effective, settings_of
 from .._engine.limit import AnyLimit, Limit
@@ -130,6 +133,11 @@ class Metrics:
         self.latency.observe(seconds)
         if mode == RESTAMP:
             return  # the same call again: counted by its first decision (and late_start)
+        if decision.reserved and mode in (ACQUIRE, RESERVE):
+            # a new reservation: it leaves the gauge when its call runs (confirmed, or
+            # handed its turn) or gives it back
+            for limit in limits:
+                self.reservations.labels(limit.label).inc()
         confirmed = mode == CONFIRM
         if runs:
             for limit in limits:
@@ -172,21 +180,22 @@ class Metrics:
         except Exception as exc:  # a metric must never cost the task
             logger.debug("ratelimit: could not read the effective rates: %s", exc)
 
-    def held(self, limits: Iterable[AnyLimit]) -> None:
-        """A fresh slot waited for in-process (no deferral), counted as a reservation."""
+    def handed(self, limits: Iterable[AnyLimit]) -> None:
+        """A waiting call was handed its turn (no decision asked for): it runs, on the
+        reservation its deferral made."""
         for limit in limits:
-            self.reservations.labels(limit.label).inc()
+            self.allowed.labels(limit.label).inc()
+            self.reservations.labels(limit.label).dec()
 
-    def deferral(
-        self, limits: Iterable[AnyLimit], denied_by: AnyLimit | None, reserved: bool
-    ) -> None:
-        """Record one deferral, against the limit that denied it (else every limit),
-        and the new slot it reserved, if any."""
+    def deferral(self, limits: Iterable[AnyLimit], denied_by: AnyLimit | None) -> None:
+        """Record one deferral, against the limit that denied it (else every limit)."""
         for limit in (denied_by,) if denied_by is not None else limits:
             self.deferred.labels(limit.label).inc()
-        if reserved:
-            for limit in limits:
-                self.reservations.labels(limit.label).inc()
+
+    def released(self, limits: Iterable[AnyLimit]) -> None:
+        """A reservation given back unused (its task expires first, or gives up)."""
+        for limit in limits:
+            self.reservations.labels(limit.label).dec()
 
     def pause(self, limits: Iterable[AnyLimit]) -> None:
         for limit in limits:
@@ -249,8 +258,9 @@ def send_deferral_event(
     """Send ``task-ratelimited`` if the worker sends task events; never raises.
 
     ``why``: ``"limit"`` (a rate limit), ``"concurrency"`` (waiting for a slot),
-    ``"paused"`` (its key is paused) or ``"upstream"`` (its body raised
-    ``UpstreamRateLimited``)."""
+    ``"paused"`` (its key is paused), ``"upstream"`` (its body raised
+    ``UpstreamRateLimited``) or ``"redis"`` (the limiter's Redis failed: the policy
+    ``"defer"``)."""
     enabled = _task_events
     if enabled is None:
         enabled = bool(task.app.conf.worker_send_task_events)

@@ -109,7 +109,7 @@ class Path:
             if countdown is None:  # "allow"
                 return State.START
             # counted like a denial: a Redis down for good must not defer it forever
-            return self.to_defer(countdown, None, f"Redis error: {exc}", denial=True)
+            return self.to_defer(countdown, None, f"Redis error: {exc}", denial=True, why="redis")
         if decision.allowed:
             return self.started(decision)
         nearby = HANDOFF_WAIT if check.handy else MAX_IN_PROCESS_WAIT

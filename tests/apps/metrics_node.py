@@ -1,0 +1,50 @@
+"""The app a metrics test starts as a real worker node (``celery -A
+tests.apps.metrics_node worker``), serving its metrics by the recipe of
+docs/operations.md, taken from the page and run as written.
+
+Configured from the environment: CRL_BROKER, CRL_REDIS (limiter), CRL_PREFIX,
+PROMETHEUS_MULTIPROC_DIR and METRICS_PORT (the recipe's). Every task appends its
+argument to ``{CRL_PREFIX}:runs``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from celery_ratelimit import Limit, RateLimitedTask
+
+BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
+REDIS = os.environ.get("CRL_REDIS", BROKER)
+PREFIX = os.environ.get("CRL_PREFIX", "crl-metrics")
+LABEL = "metrics-node-api"
+
+app = Celery("metrics_node", broker=BROKER)
+app.conf.update(
+    ratelimit_redis_url=REDIS,
+    ratelimit_key_prefix=PREFIX,
+    ratelimit_metrics=True,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+)
+
+
+def recipe() -> str:
+    """The metrics recipe of docs/operations.md, as a user copies it."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    block = re.search(r"<!-- metrics-recipe -->\n```python\n(.*?)```", page, re.DOTALL)
+    assert block, "docs/operations.md has no metrics recipe"
+    return block.group(1)
+
+
+exec(compile(recipe(), "docs/operations.md", "exec"))
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("4/s", key="metrics-node", name=LABEL))
+def call(i: int) -> int:
+    redis.Redis.from_url(REDIS).rpush(f"{PREFIX}:runs", i)
+    return i
