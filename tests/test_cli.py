@@ -4,10 +4,12 @@ point, and the demo, against private redis-servers."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -86,14 +88,16 @@ def test_status_shows_used_over_limit_for_the_apps_limits(
     out = cli("status", "-A", APP, env=env)
     assert "prefix 'example'" in out and "3 active key(s)" in out
     quota = row(out, "yt:quota:key1")
-    assert quota[1:6] == ["600s", "log", "301/9500", "9199", "0"]
-    assert quota[6] == "now"
+    assert quota[1:7] == ["600s", "log", "301/9500", "9199", "0", "-"]  # no backlog
+    assert quota[7] == "now"
     search = row(out, "yt:search:key1")
     assert search[1:6] == ["25s", "log", "25/25", "0", "1"]  # full, one slot reserved
-    wait = float(re.match(r"([\d.]+)s", search[7])[1])  # type: ignore[index]
+    drains = float(re.match(r"([\d.]+)s", search[7])[1])  # type: ignore[index]
+    wait = float(re.match(r"([\d.]+)s", search[9])[1])  # type: ignore[index]
     assert 0 < wait <= 25  # when the full window's oldest call leaves
+    assert 0 < drains <= wait  # the reserved slot: a new call fits after it
     adhoc = row(out, "adhoc:job")
-    assert adhoc[1:7] == ["1m", "log", "3", "?", "0", "?"]
+    assert adhoc[1:8] == ["1m", "log", "3", "?", "0", "-", "?"]
     assert "not declared by the app" in " ".join(adhoc)
 
 
@@ -137,8 +141,49 @@ def test_celery_subcommand_status_through_the_entry_point(
     assert result.returncode == 0, result.stdout + result.stderr
     assert row(result.stdout, "yt:quota:key1")[3] == "301/9500"
     assert row(result.stdout, "yt:search:key1")[3:6] == ["25/25", "0", "1"]
+    # the same document by both doors
+    door = run(CELERY, "-A", APP, "ratelimit", "status", "--json", "--sort", "used", env=env)
+    assert door.returncode == 0, door.stdout + door.stderr
+    keys = [one["key"] for one in json.loads(door.stdout)["keys"]]
+    assert keys == [one["key"] for one in status_json(env, "--sort", "used")["keys"]]
     helptext = run(CELERY, "-A", APP, "ratelimit", "--help", env=env).stdout
     assert all(name in helptext for name in ("status", "reset", "explain"))
+
+
+def status_json(env: dict[str, str], *args: str) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(cli("status", "-A", APP, "--json", *args, env=env))
+    return document
+
+
+def test_status_json_sorts_by_backlog_or_share_and_says_when_a_backlog_drains(
+    limiter: Limiter, env: dict[str, str]
+) -> None:
+    """``status --json`` for scripts: every key with its numbers (the drain time is the
+    last reserved slot), ordered by ``--sort``, cut by ``--limit``; the settings beside."""
+    populate(limiter)
+    for _ in range(2):  # two more slots on the search cap: its backlog drains later
+        assert limiter.acquire("yt:search:key1", Limit(SEARCH), reserve=True).reserved
+    limiter.override("adhoc:job", "5/m", ttl=60)
+    by_key = status_json(env)
+    assert [k["key"] for k in by_key["keys"]] == ["adhoc:job", "yt:quota:key1", "yt:search:key1"]
+    search = next(k for k in by_key["keys"] if k["key"] == "yt:search:key1")
+    assert (search["used"], search["limit"], search["reservations"]) == (25, 25, 3)
+    entries = limiter.client.zrange(search["redis_key"], 0, -1, withscores=True)
+    seconds, micros = limiter.client.time()
+    last = max(score for _, score in entries) / 1e6 - seconds - micros / 1e6
+    assert search["drains_in_s"] == pytest.approx(last, abs=2.0)
+    assert 0 < search["drains_in_s"] <= search["next_free_s"] <= 25
+    quota = next(k for k in by_key["keys"] if k["key"] == "yt:quota:key1")
+    assert (quota["used"], quota["limit"], quota["drains_in_s"]) == (301, 9500, None)
+    adhoc = next(k for k in by_key["keys"] if k["key"] == "adhoc:job")
+    assert (adhoc["used"], adhoc["limit"], adhoc["override"]) == (3, 5, "5/m")
+    (settings,) = by_key["settings"]
+    assert (settings["key"], settings["override"]) == ("adhoc:job", "5/m")
+    assert 0 < settings["override_for_s"] <= 60
+    backlog = status_json(env, "--sort", "backlog", "--limit", "1")["keys"]
+    assert [k["key"] for k in backlog] == ["yt:search:key1"]
+    used = status_json(env, "--sort", "used")["keys"]
+    assert [k["key"] for k in used] == ["yt:search:key1", "adhoc:job", "yt:quota:key1"]
 
 
 def test_reset_removes_every_window_of_the_key_and_nothing_else(

@@ -48,12 +48,28 @@ def ratelimit() -> None:
 @ratelimit.command()
 @_where
 @click.option("--match", metavar="GLOB", help="only keys matching GLOB ('yt:*')")
+@click.option(
+    "--sort",
+    type=click.Choice(["key", "backlog", "used"]),
+    default="key",
+    help="order: by key (default), by the backlog's drain time, by the share used",
+)
+@click.option("--limit", type=int, metavar="N", help="only the first N keys")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document: keys and settings")
 @click.pass_context
-def status(ctx: click.Context, url: str | None, prefix: str | None, match: str | None) -> None:
-    """Each active key: used/limit, remaining, next free slot, reservations."""
+def status(
+    ctx: click.Context,
+    url: str | None,
+    prefix: str | None,
+    match: str | None,
+    sort: str,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Each active key: used/limit, remaining, reservations, drain time, next free slot."""
     from .cli import run_status
 
-    _run(lambda: run_status(_app(ctx), url, prefix, match))
+    _run(lambda: run_status(_app(ctx), url, prefix, match, sort=sort, limit=limit, as_json=as_json))
 
 
 @ratelimit.command()

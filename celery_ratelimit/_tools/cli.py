@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where(status)
     status.add_argument("--match", metavar="GLOB", help="only keys matching GLOB ('yt:*')")
+    status.add_argument(
+        "--sort",
+        choices=("key", "backlog", "used"),
+        default="key",
+        help="order: by key (default), by the backlog's drain time, by the share used",
+    )
+    status.add_argument("--limit", type=int, metavar="N", help="only the first N keys")
+    status.add_argument(
+        "--json", action="store_true", help="one JSON document: the keys and their settings"
+    )
     reset = commands.add_parser("reset", help="forget everything counted for a key")
     where(reset)
     reset.add_argument("key", help="the key as given to Limit(key=...), e.g. yt:quota:key1")
@@ -151,16 +161,41 @@ def _named(exc: RateLimitError, app: Any, url: str | None) -> RateLimitError:
     return type(exc)(text)
 
 
-def run_status(app: Any, url: str | None, prefix: str | None, match: str | None) -> list[str]:
+def run_status(
+    app: Any,
+    url: str | None,
+    prefix: str | None,
+    match: str | None,
+    *,
+    sort: str = "key",
+    limit: int | None = None,
+    as_json: bool = False,
+) -> list[str]:
+    """What ``status`` prints: the table and the settings lines, or (``as_json``) one
+    JSON document ``{"prefix", "url", "keys": [...], "settings": [...]}``; the keys in
+    the order ``sort`` names (``ops.SORTS``), the first ``limit`` of them."""
     from . import ops, report
 
+    if limit is not None and limit < 1:
+        raise SystemExit(f"--limit must be at least 1, got {limit}")
     limiter = limiter_from(app, url, prefix)
     try:
         with url_named(app, url):
             known = ops.known_limits(app) if app is not None else []
             guard = ops.guard_for_app(app) if app is not None else 0.0
-            rows = ops.status(limiter, known, guard=guard, match=match)
+            rows = ops.sort_rows(ops.status(limiter, known, guard=guard, match=match), sort)
             settings = ops.key_settings(limiter, match)
+        rows = rows[:limit] if limit is not None else rows
+        if as_json:
+            import json
+
+            document = {
+                "prefix": limiter.prefix,
+                "url": _safe_url(limiter),
+                "keys": [row.as_json() for row in rows],
+                "settings": [row.as_json() for row in settings],
+            }
+            return [json.dumps(document, indent=1)]
         lines = report.format_status(rows, limiter.prefix, _safe_url(limiter), app=app is not None)
         return lines + report.format_settings(settings)
     finally:
@@ -281,7 +316,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = load_app(args.app) if args.app else None
     try:
         if args.command == "status":
-            lines = run_status(app, args.url, args.prefix, args.match)
+            lines = run_status(
+                app,
+                args.url,
+                args.prefix,
+                args.match,
+                sort=args.sort,
+                limit=args.limit,
+                as_json=args.json,
+            )
         elif args.command == "reset":
             lines = run_reset(app, args.url, args.prefix, args.key)
         elif args.command in ("set", "unset"):

@@ -144,6 +144,8 @@ class KeyStatus:
     ``pace_in``: for a paced limit (``burst=``), seconds until one more unit conforms to
     its pace (0: now), from the pace the key keeps.
     ``waiting``: on a fair limit's key, how many calls of each fair-key value wait.
+    ``drains_in``: seconds until the last reservation's slot (the log), or the last
+    waiting call's expected turn (a concurrency key): when the backlog has drained.
     """
 
     name: KeyName
@@ -159,6 +161,35 @@ class KeyStatus:
     override: Rate | None = None
     pace_in: float | None = None
     waiting: dict[str, int] = field(default_factory=dict)
+    drains_in: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as ``status --json`` prints it: numbers in seconds, None unknown."""
+        limit = self.limit
+        most = None
+        if isinstance(limit, Concurrency):
+            most = limit.n
+        elif limit is not None:
+            most = self.override.limit if self.override else limit.fixed_rate.limit
+        elif self.override is not None:
+            most = self.override.limit
+        return {
+            "key": self.name.key,
+            "redis_key": self.name.redis_key,
+            "algorithm": self.name.algorithm,
+            "window_s": self.name.window_us / 1_000_000,
+            "used": self.used,
+            "limit": most,
+            "declared": limit.label if limit is not None else None,
+            "sources": self.sources,
+            "remaining": self.remaining,
+            "reserved": self.reserved,
+            "reservations": self.reservations,
+            "next_free_s": self.next_free,
+            "drains_in_s": self.drains_in,
+            "override": str(self.override) if self.override else None,
+            "waiting": self.waiting,
+        }
 
 
 def pace_in(
@@ -189,6 +220,7 @@ def log_status(client: Any, name: KeyName, now: int) -> KeyStatus:
         if score > now:
             status.reserved += weight
             status.reservations += 1
+            status.drains_in = max(status.drains_in or 0.0, (score - now) / 1_000_000)
         else:
             status.used += weight
             oldest = score if oldest is None else min(oldest, score)
@@ -203,7 +235,13 @@ def concurrency_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     """Bodies holding a slot (``used``) and calls waiting for their turn."""
     key = name.redis_key
     waiting = client.zcard(key + PENDING)
-    return KeyStatus(name, used=client.zcard(key + STARTS), reserved=waiting, reservations=waiting)
+    status = KeyStatus(
+        name, used=client.zcard(key + STARTS), reserved=waiting, reservations=waiting
+    )
+    last = client.zrange(key + PENDING, -1, -1, withscores=True)
+    if last:
+        status.drains_in = max(int(last[0][1]) - now, 0) / 1_000_000
+    return status
 
 
 def calendar_status(client: Any, name: KeyName, now: int) -> KeyStatus:
@@ -266,6 +304,29 @@ class KeySettings:
     #: (algorithm, window_us, effective limit) of each adapting limit cut since it was
     #: last back to its declared rate (``Limit(adapt=True)``)
     effective: tuple[tuple[str, int, int], ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """The settings as ``status --json`` prints them: seconds, rates as text."""
+        return {
+            "key": self.key,
+            "paused_for_s": self.paused_for,
+            "override": str(self.override) if self.override else None,
+            "override_for_s": self.override_for,
+            "upstream": [
+                {
+                    "algorithm": seen.algorithm,
+                    "window_s": seen.window_us / 1_000_000,
+                    "remaining": seen.remaining,
+                    "reset_in_s": seen.reset_in,
+                    "quota": seen.quota,
+                }
+                for seen in self.seen
+            ],
+            "effective": [
+                {"algorithm": algorithm, "window_s": window / 1_000_000, "limit": most}
+                for algorithm, window, most in self.effective
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -345,6 +406,25 @@ def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     return KeyStatus(name, used=int(-(-estimate // 1)))
 
 
+#: How ``status`` can order its rows (``--sort``): by key, by the backlog's drain time
+#: (the longest first), by the share of the limit used (the fullest first).
+SORTS = ("key", "backlog", "used")
+
+
+def sort_rows(rows: list[KeyStatus], by: str) -> list[KeyStatus]:
+    """``rows`` in the order ``by`` names (one of :data:`SORTS`)."""
+    if by == "backlog":
+        return sorted(rows, key=lambda r: (-(r.drains_in or 0.0), -r.reservations))
+    if by == "used":
+        return sorted(rows, key=lambda r: -_share(r))
+    return rows
+
+
+def _share(row: KeyStatus) -> float:
+    most = row.as_json()["limit"]
+    return row.used / most if most else 0.0
+
+
 def status(
     limiter: Limiter,
     known: Sequence[KnownLimit] = (),
@@ -408,5 +488,6 @@ __all__ = [
     "key_status",
     "known_limits",
     "pace_in",
+    "sort_rows",
     "status",
 ]

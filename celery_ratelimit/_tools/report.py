@@ -34,7 +34,10 @@ def format_status(
     lines = [f"prefix {prefix!r} on {url}: {len(rows)} active key(s)"]
     if not rows:
         return lines
-    header = ("KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "NEXT FREE", "LIMIT")
+    header = (
+        "KEY", "WINDOW", "ALG", "USED/LIMIT", "REMAINING", "RESERVED", "DRAINS", "NEXT FREE",
+        "LIMIT",
+    )  # fmt: skip
     table = [header, *(_cells(row, app) for row in rows)]
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
     for r in table:
@@ -46,7 +49,8 @@ def format_status(
     lines.append(
         "USED: weight counted in the window until now (ALG conc: bodies running); "
         "RESERVED: future slots held by deferred tasks (conc: calls waiting for their "
-        "turn; REMAINING and NEXT FREE count them)."
+        "turn; REMAINING and NEXT FREE count them); DRAINS: when the last of them is "
+        "due, the backlog drained."
     )
     if not app and any(row.limit is None for row in rows):
         lines.append(
@@ -65,13 +69,17 @@ def _cells(row: KeyStatus, app: bool) -> tuple[str, ...]:
     head = (name.key, _window(name.window_us), name.algorithm)
     if row.limit is None:
         used = f"{row.used}/{row.override.limit}" if row.override else f"{row.used}"
-        return (*head, used, "?", reserved, "?", _undeclared_label(row, app))
+        return (*head, used, "?", reserved, _drains(row), "?", _undeclared_label(row, app))
     if isinstance(row.limit, Concurrency):
         used = f"{row.used}/{row.limit.n} running"
     else:
         used = f"{row.used}/{row.override.limit if row.override else row.limit.fixed_rate.limit}"
     free = in_seconds(row.next_free or 0.0)
-    return (*head, used, str(row.remaining), reserved, free, _declared_label(row))
+    return (*head, used, str(row.remaining), reserved, _drains(row), free, _declared_label(row))
+
+
+def _drains(row: KeyStatus) -> str:
+    return in_seconds(row.drains_in) if row.drains_in else "-"
 
 
 def _declared_label(row: KeyStatus) -> str:
