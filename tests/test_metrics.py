@@ -109,6 +109,10 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     assert deferred >= 5 and denied >= 5  # 8 calls at 3/s: at least 5 wait
     assert sample("celery_ratelimit_redis_errors_total", label) == 0
     assert sample("celery_ratelimit_reservations", label) == 0  # every slot reserved was used
+    # the last slot reserved: when the backlog drained, by the limiter's Redis clock
+    drained = sample("celery_ratelimit_backlog_drains_at_seconds", label)
+    seconds, micros = server.client().time()
+    assert 0 < seconds + micros / 1e6 - drained < 30
     latency = prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_decision_seconds_count")
     assert latency - latency_before >= allowed + deferred
     assert len(events) == deferred
@@ -224,6 +228,7 @@ def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
     assert seen[("celery_ratelimit_allowed_total", label)] == 8
     assert seen[("celery_ratelimit_deferred_total", label)] >= 4  # 8 calls at 4/s
     assert seen.get(("celery_ratelimit_reservations", label), 0.0) == 0
+    assert seen[("celery_ratelimit_backlog_drains_at_seconds", label)] > 0  # slots were reserved
     assert seen[("celery_ratelimit_decision_seconds_count", "")] >= 8
 
 

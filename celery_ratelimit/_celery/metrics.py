@@ -10,6 +10,8 @@ Prometheus (``pip install 'celery-ratelimit[metrics]'``, then
   ``celery_ratelimit_late_starts_total`` (grants read too late to start on, restamped)
 - ``celery_ratelimit_decision_seconds``: latency of one limiter call (one round trip),
   failed and timed-out calls included
+- ``celery_ratelimit_backlog_drains_at_seconds``: when the last slot reserved under a
+  limit is due, in Redis time (the drain time is that minus ``time()``)
 - ``celery_ratelimit_reservations``: slots reserved and not yet used. A reservation is
   made by the worker that deferred a task and used by whichever worker runs it, so one
   process's value can be negative; ``sum by (limit)`` over all workers is the count.
@@ -106,6 +108,13 @@ class Metrics:
             ["limit"],
             multiprocess_mode="livesum",
         )
+        self.drains_at = gauge(
+            "celery_ratelimit_backlog_drains_at_seconds",
+            "When the last slot reserved under a limit is due (Redis time, seconds since "
+            "the epoch): its backlog has drained then. Minus time(): the drain time.",
+            ["limit"],
+            multiprocess_mode="max",
+        )
         self.declared_rate = gauge(
             "celery_ratelimit_declared_rate",
             "The declared rate of an adapting limit, units a second.",
@@ -135,9 +144,11 @@ class Metrics:
             return  # the same call again: counted by its first decision (and late_start)
         if decision.reserved and mode in (ACQUIRE, RESERVE):
             # a new reservation: it leaves the gauge when its call runs (confirmed, or
-            # handed its turn) or gives it back
+            # handed its turn) or gives it back; the latest one is when the backlog drains
             for limit in limits:
                 self.reservations.labels(limit.label).inc()
+                drains = self.drains_at.labels(limit.label)
+                drains.set(max(decision.at, _value(drains)))
         confirmed = mode == CONFIRM
         if runs:
             for limit in limits:
@@ -208,6 +219,14 @@ class Metrics:
     def redis_error(self, limits: Iterable[AnyLimit]) -> None:
         for limit in limits:
             self.redis_errors.labels(limit.label).inc()
+
+
+def _value(gauge: Any) -> float:
+    """A gauge child's value in this process (0.0 when it cannot be read)."""
+    try:
+        return float(gauge._value.get())
+    except Exception:  # prometheus_client's internals: a metric must never cost the task
+        return 0.0
 
 
 _metrics: Metrics | None = None
