@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,8 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited
 from celery_ratelimit._celery import metrics as _metrics
-from tests.redis_server import RedisServer, free_port
+from tests.metrics_nodes import metrics_node
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,45 +185,18 @@ def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
     no reservation left, the deferrals of 8 calls at 4/s."""
     label = "metrics-node-api"  # tests.apps.metrics_node's (not imported: its recipe
     # would serve this process's metrics from any worker the tests start in it)
-    prefix, port, multiproc = f"crl-metrics-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "prom"
-    multiproc.mkdir()
-    env = {
-        **os.environ,
-        "CRL_BROKER": server.url,
-        "CRL_REDIS": server.url,
-        "CRL_PREFIX": prefix,
-        "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
-        "METRICS_PORT": str(port),
-    }
-    log = tmp_path / "node.log"
-    with log.open("wb") as out:
-        node = subprocess.Popen(
-            [
-                sys.executable, "-m", "celery", "-A", "tests.apps.metrics_node", "worker",
-                "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle",
-                "--without-heartbeat", "-l", "INFO",
-            ],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
+    with metrics_node(server.url, server.url, tmp_path) as node:
         deadline = time.monotonic() + 60
-        while "ready." not in log.read_text(errors="replace"):
-            assert node.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
         sender = Celery("metrics_sender", broker=server.url, set_as_current=False)
         for i in range(8):
             sender.send_task("tests.apps.metrics_node.call", args=(i,))
         client = server.client()
-        while client.llen(f"{prefix}:runs") < 8:
-            assert time.monotonic() < deadline + 60, log.read_text()
+        while client.llen(f"{node.prefix}:runs") < 8:
+            assert time.monotonic() < deadline, node.log.read_text()
             time.sleep(0.1)
         time.sleep(0.3)  # the last task's counts are written as it ends
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            seen = families(reply.read().decode())
-    finally:
-        node.terminate()
-        node.wait(30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.port}/metrics", timeout=10) as r:
+            seen = families(r.read().decode())
     assert seen[("celery_ratelimit_allowed_total", label)] == 8
     assert seen[("celery_ratelimit_deferred_total", label)] >= 4  # 8 calls at 4/s
     assert seen.get(("celery_ratelimit_reservations", label), 0.0) == 0

@@ -4,7 +4,7 @@ docs/operations.md, taken from the page and run as written.
 
 Configured from the environment: CRL_BROKER, CRL_REDIS (limiter), CRL_PREFIX,
 PROMETHEUS_MULTIPROC_DIR and METRICS_PORT (the recipe's). Every task appends its
-argument to ``{CRL_PREFIX}:runs``.
+argument to ``{CRL_PREFIX}:runs`` on the broker's Redis (up while the limiter's is not).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from celery_ratelimit import Limit, RateLimitedTask
+from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
 REDIS = os.environ.get("CRL_REDIS", BROKER)
@@ -44,7 +44,20 @@ def recipe() -> str:
 exec(compile(recipe(), "docs/operations.md", "exec"))
 
 
-@app.task(base=RateLimitedTask, ratelimit=Limit("4/s", key="metrics-node", name=LABEL))
+LIMIT = Limit("4/s", key="metrics-node", name=LABEL)
+
+
+@app.task(base=RateLimitedTask, ratelimit=LIMIT)
 def call(i: int) -> int:
-    redis.Redis.from_url(REDIS).rpush(f"{PREFIX}:runs", i)
+    redis.Redis.from_url(BROKER).rpush(f"{PREFIX}:runs", i)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=LIMIT)
+def upstream(i: int) -> int:
+    """Its first call meets the upstream's 429 (the keys pause), the next one runs."""
+    broker = redis.Redis.from_url(BROKER)
+    if broker.incr(f"{PREFIX}:429") == 1:
+        raise UpstreamRateLimited(0.5)
+    broker.rpush(f"{PREFIX}:runs", f"u{i}")
     return i
