@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,14 @@ def metrics_app(server: RedisServer, name: str) -> Celery:
 def sample(name: str, limit: str) -> float:
     value = prometheus_client.REGISTRY.get_sample_value(name, {"limit": limit})
     return float(value or 0.0)
+
+
+def until(done: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
+    """Wait until ``done()``; fail saying ``what`` did not happen within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -96,10 +104,7 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
         time.sleep(0.5)  # the event receiver is bound by now
         for i in range(8):
             work.delay(i)
-        deadline = time.monotonic() + 30
-        while sample("celery_ratelimit_allowed_total", label) < 8:
-            assert time.monotonic() < deadline, "the tasks did not all run"
-            time.sleep(0.1)
+        until(lambda: sample("celery_ratelimit_allowed_total", label) >= 8, "8 tasks ran")
         time.sleep(0.5)  # the last events arrive
     allowed = sample("celery_ratelimit_allowed_total", label)
     deferred = sample("celery_ratelimit_deferred_total", label)
@@ -158,10 +163,8 @@ def test_an_adapting_limit_exports_its_declared_and_effective_rates(
 
     with start_worker(app, pool="solo", perform_ping_check=False):
         call.delay(0)
-        deadline = time.monotonic() + 30
-        while len(answered) < 2:  # run again after the pause, the rate cut
-            assert time.monotonic() < deadline, "the task did not run again"
-            time.sleep(0.05)
+        # run again after the pause, the rate cut
+        until(lambda: len(answered) >= 2, "the task ran again")
         assert sample("celery_ratelimit_declared_rate", label) == 20.0
         assert 10.0 <= sample("celery_ratelimit_effective_rate", label) < 20.0
 
@@ -186,14 +189,11 @@ def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
     label = "metrics-node-api"  # tests.apps.metrics_node's (not imported: its recipe
     # would serve this process's metrics from any worker the tests start in it)
     with metrics_node(server.url, server.url, tmp_path) as node:
-        deadline = time.monotonic() + 60
         sender = Celery("metrics_sender", broker=server.url, set_as_current=False)
         for i in range(8):
             sender.send_task("tests.apps.metrics_node.call", args=(i,))
         client = server.client()
-        while client.llen(f"{node.prefix}:runs") < 8:
-            assert time.monotonic() < deadline, node.log.read_text()
-            time.sleep(0.1)
+        until(lambda: client.llen(f"{node.prefix}:runs") >= 8, "8 tasks ran", 60)
         time.sleep(0.3)  # the last task's counts are written as it ends
         with urllib.request.urlopen(f"http://127.0.0.1:{node.port}/metrics", timeout=10) as r:
             seen = families(r.read().decode())
@@ -228,10 +228,7 @@ def test_a_concurrency_limit_counts_every_body_and_leaves_no_reservation(
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         for i in range(4):
             body.delay(i)
-        deadline = time.monotonic() + 30
-        while len(spans) < 4:
-            assert time.monotonic() < deadline, "the bodies did not all run"
-            time.sleep(0.05)
+        until(lambda: len(spans) >= 4, "the 4 bodies ran")
         time.sleep(0.2)
     ordered = sorted(spans)
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(ordered))
@@ -274,15 +271,11 @@ def test_an_outage_shows_as_redis_deferrals_errors_and_latency(server: RedisServ
             limiter_redis.stop()
             for i in range(2):
                 call.delay(i)
-            deadline = time.monotonic() + 30
-            while sample("celery_ratelimit_redis_errors_total", label) < 4:
-                assert time.monotonic() < deadline, "no failed decision was counted"
-                time.sleep(0.05)
+            errors = "celery_ratelimit_redis_errors_total"
+            until(lambda: sample(errors, label) >= 4, "4 failed decisions were counted")
             assert not ran  # deferred while Redis is down, never run unlimited
             limiter_redis.start()
-            while len(ran) < 2:
-                assert time.monotonic() < deadline, "the tasks did not run after the outage"
-                time.sleep(0.05)
+            until(lambda: len(ran) >= 2, "the tasks ran after the outage")
             time.sleep(0.5)  # the last events arrive
     finally:
         limiter_redis.close()

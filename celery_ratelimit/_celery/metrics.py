@@ -129,6 +129,7 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
         self._rates_read: dict[str, float] = {}  # label -> time.monotonic() of the read
+        self._drains_at: dict[str, float] = {}  # label -> the latest slot reserved here
 
     def decision(
         self, limits: Iterable[AnyLimit], decision: Decision, seconds: float, runs: bool, mode: str
@@ -147,8 +148,9 @@ class Metrics:
             # handed its turn) or gives it back; the latest one is when the backlog drains
             for limit in limits:
                 self.reservations.labels(limit.label).inc()
-                drains = self.drains_at.labels(limit.label)
-                drains.set(max(decision.at, _value(drains)))
+                last = max(decision.at, self._drains_at.get(limit.label, 0.0))
+                self._drains_at[limit.label] = last
+                self.drains_at.labels(limit.label).set(last)
         confirmed = mode == CONFIRM
         if runs:
             for limit in limits:
@@ -219,14 +221,6 @@ class Metrics:
     def redis_error(self, limits: Iterable[AnyLimit]) -> None:
         for limit in limits:
             self.redis_errors.labels(limit.label).inc()
-
-
-def _value(gauge: Any) -> float:
-    """A gauge child's value in this process (0.0 when it cannot be read)."""
-    try:
-        return float(gauge._value.get())
-    except Exception:  # prometheus_client's internals: a metric must never cost the task
-        return 0.0
 
 
 _metrics: Metrics | None = None

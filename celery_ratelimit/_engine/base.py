@@ -17,7 +17,7 @@ from .keys import escape_key, fixed_key
 from .layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
 from .limit import Concurrency, Limit, LimitSpec, check_weight, describe, to_limits
 from .rate import Rate
-from .scripts import MAX_HORIZON, NAMES, Shape, shape, source
+from .scripts import MAX_HORIZON, NAMES, Shape, is_counter, shape, source
 from .upstream import seconds_from
 
 #: An adapting limit (``Limit(adapt=True)``) gives back this share of its declared rate
@@ -61,12 +61,6 @@ def _per_limit(cost: int | Sequence[int], count: int, name: str) -> tuple[int, .
     if len(cost) != count:
         raise InvalidLimit(f"got {len(cost)} values of {name} for {count} limits")
     return tuple(cost)
-
-
-def _counter(limits: tuple[Any, ...]) -> bool:
-    """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
-    first = limits[0]
-    return isinstance(first, Limit) and first.align is None and first.algorithm == "counter"
 
 
 def budget_for(limit: Any, seen: Observation) -> Budget | None:
@@ -243,7 +237,7 @@ class LimiterBase:
         own grant read late (see ``lua/start.lua``). The counter has neither: the call
         is counted now or denied."""
         parse_token(token)  # a token is required here, and checked
-        if _counter(shape.limits):
+        if shape.counter:
             return self._decision_call("counter", "now", key, shape, token)
         return self._decision_call(
             "start", "reserved" if reserved else "granted", key, shape, token
@@ -259,7 +253,7 @@ class LimiterBase:
         if counted is not None and len(counted) in (1, len(normalized)):
             cost = counted if len(counted) > 1 else counted[0]
         call = shape(normalized, cost)
-        flag = "counter" if _counter(normalized) else "log"
+        flag = "counter" if is_counter(normalized) else "log"
         return self._decision_call("release", flag, key, call, token)
 
     def _settle_call(
@@ -277,7 +271,7 @@ class LimiterBase:
                 f"{len(normalized)} of {describe(normalized)}"
             )
         real = shape(normalized, _per_limit(cost, len(normalized), "cost"), settling=True)
-        flag = "counter" if _counter(normalized) else "log"
+        flag = "counter" if is_counter(normalized) else "log"
         call = self._decision_call("settle", flag, key, real, token)
         was = [
             old for old, limit in zip(counted, normalized, strict=True) if isinstance(limit, Limit)

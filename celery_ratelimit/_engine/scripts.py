@@ -71,6 +71,14 @@ def _read(filename: str) -> str:
     return (Path(__file__).resolve().parents[2] / "lua" / filename).read_text(encoding="utf-8")
 
 
+def is_counter(limits: tuple[Any, ...]) -> bool:
+    """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
+    first = limits[0]
+    return (
+        not isinstance(first, Concurrency) and first.align is None and first.algorithm == "counter"
+    )
+
+
 def _us(seconds: float) -> int:
     return int(seconds * 1_000_000)
 
@@ -239,13 +247,8 @@ class Shape:
 
     @cached_property
     def counter(self) -> bool:
-        """Are the call's sliding rate limits the counter's (``algorithm="counter"``)?"""
-        first = self.limits[0]
-        return (
-            not isinstance(first, Concurrency)
-            and first.align is None
-            and first.algorithm == "counter"
-        )
+        """Are the call's sliding rate limits the counter's (see :func:`is_counter`)?"""
+        return is_counter(self.limits)
 
     @cached_property
     def fair_limit(self) -> Any:
