@@ -28,6 +28,7 @@ from .beside import attach
 from .clock import observe
 from .green import _pool, lead
 from .metrics import metrics_for
+from .park import call_in_handed
 from .plan import Plan
 from .settings import limiter_for, park_after, setting
 from .slots import Held, hold, release
@@ -131,6 +132,11 @@ class Check:
         self.lead = 0.0  # how long after its decision the last grant was counted
         self.restamps = 0
 
+    @property
+    def parking(self) -> Any:
+        """The app whose park may hold copies of calls in line (None: parking is off)."""
+        return self.task.app if _process_settings(self.task).park_after is not None else None
+
     def setting(self, name: str) -> Any:
         return setting(name, self.task.app, self.task, self.request)
 
@@ -215,7 +221,8 @@ class Check:
         assert self.lease is not None
         lease = min(slot.lease or self.lease for slot in self.slots)
         keys = self.keys[-len(self.slots) :]
-        held = Held(self.limiter, keys, self.slots, token.partition(".")[0], lease, due=due)
+        bare = token.partition(".")[0]
+        held = Held(self.limiter, keys, self.slots, bare, lease, due=due, app=self.parking)
         hold(self.request, held)
         return held
 
@@ -301,7 +308,8 @@ class Check:
         wastes budget."""
         if token:
             with contextlib.suppress(LimiterUnavailable, LimiterMisconfigured):
-                self.limiter.release(token, self.keys, self.limits, self.costs)
+                handed = self.limiter.release_handing(token, self.keys, self.limits, self.costs)
+                call_in_handed(self.parking, self.limiter, handed)
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,19 @@ class Limiter(LimiterBase):
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
-        self._script_reply(self._release_call(token, key, limits, cost))
+        self.release_handing(token, key, limits, cost)
+
+    def release_handing(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+    ) -> tuple[str, ...]:
+        """:meth:`release`, returning the tokens of the waiting calls it handed a
+        concurrency slot to (a copy of theirs waiting elsewhere is to be called in)."""
+        reply = self._script_reply(self._release_call(token, key, limits, cost))
+        return tuple(t.decode() if isinstance(t, bytes) else str(t) for t in reply[6:])  # hex
 
     def settle(
         self,
@@ -265,15 +277,25 @@ class Limiter(LimiterBase):
         if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
             raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
         name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
-        # blocked within the client's socket timeout, which would take it for a hung Redis
+        popped = self.pop_waiting(name, timeout, "waiting for a handed turn")
+        return None if popped is None else int(popped) / 1_000_000
+
+    def pop_waiting(self, name: str, timeout: float, doing: str) -> Any:
+        """The first item of the list ``name``, waited for up to ``timeout`` seconds (at
+        most 1, and half the client's socket timeout, which would take the wait for a
+        hung Redis); None if none came.
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed while ``doing``.
+        """
         pool = getattr(self.client, "connection_pool", None)
         socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 2.0
         timeout = min(max(timeout, 0.01), 1.0, socket_timeout / 2)
         try:
             popped = self.client.blpop([name], timeout=timeout)
         except REDIS_ERRORS as exc:
-            raise self.translate(exc, "waiting for a handed turn") from exc
-        return None if popped is None else int(popped[1]) / 1_000_000
+            raise self.translate(exc, doing) from exc
+        return None if popped is None else popped[1]
 
     def renew(
         self,

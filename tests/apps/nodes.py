@@ -360,6 +360,15 @@ def slotted(self: Any, i: int) -> int:
     return i
 
 
+@app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
+def slotted_for(self: Any, i: int, body: float) -> int:
+    """A body of ``body`` seconds holding a slot of SLOTS."""
+    record(self, i=i)
+    time.sleep(body)
+    finish(self)
+    return i
+
+
 @ratelimit(SLOTS)
 @app.task(bind=True)
 def slotted_by_decorator(self: Any, i: int) -> int:
