@@ -6,6 +6,7 @@ check. The page in a real browser: ``test_web_browser.py``."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -101,7 +102,8 @@ def test_rows_carry_concurrency_leases_backlog_and_the_chart_counts_grants(
         limiter.acquire("busy", Limit("3/m"), reserve=True, horizon=600)  # 3 granted, 4 reserved
     limiter.acquire("erp", Concurrency(2, lease=120))
     limiter.override("busy", "3/m", ttl=90)
-    page = Source(None, server.url, "p").page(None, 0)
+    source = Source(None, server.url, "p")
+    page = source.page(None, 0)
     rows = {e["key"]: e for f in page["families"] for e in f["keys"]}
     (busy,) = rows["busy"]["limits"]
     assert (busy["used"], busy["limit"], busy["reservations"]) == (3, 3, 4)
@@ -110,6 +112,7 @@ def test_rows_carry_concurrency_leases_backlog_and_the_chart_counts_grants(
     (erp,) = rows["erp"]["limits"]
     assert erp["used"] == 1 and 119 < erp["leases_s"][0] <= 120
     assert sum(page["grants"]) == 3 and len(page["grants"]) == 300  # grants, not reservations
+    assert sum(source.page(None, 0)["grants"]) == 3  # read again: counted once
 
 
 def test_redis_down_then_back_and_a_bad_url_or_password_are_one_line(
@@ -180,6 +183,16 @@ def test_actions_need_the_flag_and_the_token_and_say_what_the_cli_says(
         status, answer = post(page.url + "api/action/pause", {"key": "k", "seconds": "x"}, "s3cret")
         assert status == 400 and answer["error"].startswith("error: not a Retry-After value")
     assert "refused pause without the token" in page.log()
+
+
+def test_actions_without_a_token_given_make_one_and_print_it(server: RedisServer) -> None:
+    with WebServer("--url", server.url, "--prefix", "p", "--actions") as page:
+        made = re.search(r"the token \(made for this run\): (\S+);", page.log())
+        assert made, page.log()
+        status, _ = post(page.url + "api/action/pause", {"key": "k", "seconds": 5}, "guess")
+        assert status == 401
+        status, answer = post(page.url + "api/action/pause", {"key": "k", "seconds": 5}, made[1])
+        assert status == 200, answer
 
 
 def test_a_host_other_than_loopback_without_a_token_refuses_to_start(server: RedisServer) -> None:

@@ -51,7 +51,7 @@ function settingsText(s) {
   for (const u of s.upstream) {
     let text = "upstream " + u.algorithm + " " + windowText(u.window_s) + ":";
     if (u.reset_in_s) text += " " + u.remaining + " left, full again " + seconds(u.reset_in_s);
-    if (u.quota) text += " quota " + u.quota;
+    if (u.quota) text += (u.reset_in_s ? "," : "") + " quota " + u.quota;
     parts.push(text);
   }
   for (const e of s.effective) {
