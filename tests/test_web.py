@@ -55,6 +55,8 @@ def test_pages_by_cursor_cover_every_key_once_and_never_all_at_once(server: Redi
     client.set("p:{api:t1}:log:not-a-window", "x")  # a name of our shape but not ours
     client.hset("p:{x}:y:settings", "other", "1")  # a settings hash of a key tagged wrong
     client.rpush("p:runs", "x")
+    client.set("p:{api:t5}:log:60000000:x", "x")
+    client.set("p:{odd}:log:60000000", "a string where a log would be")
     source = Source(None, server.url, "p")
     seen: list[str] = []
     cursor, pages = 0, 0
@@ -183,6 +185,20 @@ def test_actions_need_the_flag_and_the_token_and_say_what_the_cli_says(
         status, answer = post(page.url + "api/action/pause", {"key": "k", "seconds": "x"}, "s3cret")
         assert status == 400 and answer["error"].startswith("error: not a Retry-After value")
     assert "refused pause without the token" in page.log()
+
+
+def test_a_page_on_loopback_answers_to_loopback_names_only(server: RedisServer) -> None:
+    """A web site whose name resolves to 127.0.0.1 (DNS rebinding) cannot read the page."""
+    with WebServer("--url", server.url) as page:
+        ours = urllib.request.Request(page.url + "api/keys", headers={"Host": "localhost"})
+        with urllib.request.urlopen(ours, timeout=10) as answer:
+            assert answer.status == 200
+        theirs = urllib.request.Request(page.url + "api/keys", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError) as got:
+            urllib.request.urlopen(theirs, timeout=10)
+        assert got.value.code == 400
+        with urllib.request.urlopen(page.url, timeout=10) as answer:
+            assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
 
 
 def test_actions_without_a_token_given_make_one_and_print_it(server: RedisServer) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from .._celery.settings import redis_url, setting
 from .._engine.fair import waiting_by_value
 from .._engine.keys import escape_key, escape_literal, fixed_key
@@ -382,7 +384,12 @@ def read_rows(
     rated = Counter(n.key for n in names if n.algorithm != "conc")
     for name in names:
         override = override_in_force(overrides.get(name.key), name, rated[name.key] == 1)
-        row = key_status(client, name, now, override)
+        try:
+            row = key_status(client, name, now, override)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            continue  # a name of our shape holding another type: not the limiter's
         if row.used == 0 and row.reserved == 0:
             continue  # everything in it has left the window: the key is idle
         ttl = client.pttl(name.redis_key)

@@ -37,7 +37,7 @@ def serve(
     token: str | None = None,
 ) -> int:
     """Serve the page until interrupted; the exit status (2: refused to start)."""
-    from .server import TOKEN_ENV
+    from .server import LOOPBACK_NAMES, TOKEN_ENV
 
     token = token or os.environ.get(TOKEN_ENV) or None
     if token is None and not is_loopback(host):
@@ -72,9 +72,9 @@ def serve(
     )
     if made:
         print(f"the token (made for this run): {token}; open {page}#token={token}", flush=True)
-    uvicorn.run(
-        make_app(source, actions=actions, token=token), host=host, port=port, log_level="warning"
-    )
+    hosts = LOOPBACK_NAMES if is_loopback(host) else None  # else: the token guards it
+    page_app = make_app(source, actions=actions, token=token, hosts=hosts)
+    uvicorn.run(page_app, host=host, port=port, log_level="warning")
     return 0
 
 

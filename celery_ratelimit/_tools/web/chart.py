@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from ..._engine.layout import ENTRY_FLOOR, KeyName, weight_of
 
 #: Seconds the chart covers.
@@ -48,7 +50,12 @@ class GrantHistory:
             for key in logs:
                 since = max(self._read_to.get(key, 0), (start * 1_000_000) - 1, ENTRY_FLOOR)
                 pipe.zrangebyscore(key, f"({since}", now, withscores=True)
-            for key, entries in zip(logs, pipe.execute() if logs else [], strict=True):
+            replies = pipe.execute(raise_on_error=False) if logs else []
+            for key, entries in zip(logs, replies, strict=True):
+                if isinstance(entries, ResponseError):
+                    continue  # a name of our shape holding another type: not a log of ours
+                if isinstance(entries, Exception):
+                    raise entries
                 counts = self._counts.setdefault(key, {})
                 for member, score in entries:
                     second = int(score) // 1_000_000

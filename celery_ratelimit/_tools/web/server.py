@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -63,9 +65,19 @@ def perform(source: Source, action: str, body: dict[str, Any]) -> list[str]:
     return run_reset(*where, key)
 
 
-def make_app(source: Source, *, actions: bool, token: str | None) -> Starlette:
+#: What the page may load and who may frame it: itself only (its styles are inline).
+_POLICY = "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'"
+#: The names a page served on a loopback address answers to: a web site whose name is
+#: made to resolve to 127.0.0.1 (DNS rebinding) is refused, its Host header is its own.
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "[::1]", "::1"]
+
+
+def make_app(
+    source: Source, *, actions: bool, token: str | None, hosts: list[str] | None = None
+) -> Starlette:
     """The page's routes on ``source``: actions allowed when ``actions``; with a
-    ``token``, every API call must carry it."""
+    ``token``, every API call must carry it; ``hosts``: the Host names it answers to
+    (None: any)."""
 
     def authorized(request: Request) -> bool:
         if token is None:
@@ -82,7 +94,8 @@ def make_app(source: Source, *, actions: bool, token: str | None) -> Starlette:
         )
 
     async def index(request: Request) -> Response:
-        return HTMLResponse((_STATIC / "page.html").read_text("utf-8"))
+        page = (_STATIC / "page.html").read_text("utf-8")
+        return HTMLResponse(page, headers={"Content-Security-Policy": _POLICY})
 
     async def script(request: Request) -> Response:
         return Response((_STATIC / "page.js").read_text("utf-8"), media_type="text/javascript")
@@ -128,12 +141,13 @@ def make_app(source: Source, *, actions: bool, token: str | None) -> Starlette:
         return JSONResponse({"ok": False, "error": message}, 400)
 
     return Starlette(
+        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])],
         routes=[
             Route("/", index),
             Route("/page.js", script),
             Route("/api/keys", keys),
             Route("/api/action/{action}", act, methods=["POST"]),
-        ]
+        ],
     )
 
 
@@ -141,4 +155,4 @@ def _peer(request: Request) -> str:
     return request.client.host if request.client else "?"
 
 
-__all__ = ["ACTIONS", "TOKEN_ENV", "TOKEN_HEADER", "make_app", "perform"]
+__all__ = ["ACTIONS", "LOOPBACK_NAMES", "TOKEN_ENV", "TOKEN_HEADER", "make_app", "perform"]
