@@ -19,6 +19,7 @@ import pytest
 from celery_ratelimit import Limit, Limiter
 from tests.examples_env import run
 from tests.nodes import APP, Nodes
+from tests.redis_server import RedisServer
 from tests.web_server import WebServer
 
 pytest.importorskip("starlette")
@@ -125,3 +126,21 @@ def test_the_page_follows_a_backlog_draining_on_three_nodes_and_acts_with_its_to
         page.locator("#result", has_text="refused").wait_for(timeout=5_000)
         assert limiter.peek("web-unpaused", Limit("10/s")).allowed
     limiter.client.close()
+
+
+def test_the_page_says_in_one_line_when_redis_is_down_and_comes_back(browser: Any) -> None:
+    with RedisServer() as server:
+        Limiter.from_url(server.url, prefix="p").acquire("k", Limit("5/m"))
+        with WebServer("--url", server.url, "--prefix", "p") as web:
+            page = browser.new_page()
+            page.goto(web.url)
+            page.locator('tr[data-key="k"]').wait_for(timeout=5_000)
+            server.stop()
+            page.locator("#error", has_text="error: Redis failed").wait_for(timeout=5_000)
+            line = page.locator("#error").inner_text()
+            assert "--url" in line and "Traceback" not in line and "\n" not in line
+            server.start()
+            Limiter.from_url(server.url, prefix="p").acquire("k", Limit("5/m"))
+            page.wait_for_function("() => document.querySelector('#error').textContent === ''")
+            page.locator('tr[data-key="k"]').wait_for(timeout=5_000)
+        assert "the limiter's Redis answers again" in web.log()

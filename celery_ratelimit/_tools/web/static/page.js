@@ -143,6 +143,7 @@ function draw(doc) {
 }
 
 async function poll() {
+  const started = performance.now();
   const query = new URLSearchParams({ search: state.search, cursor: state.cursors[state.cursors.length - 1] });
   try {
     const answer = await fetch("/api/keys?" + query, { headers: headers() });
@@ -150,7 +151,7 @@ async function poll() {
   } catch (err) {
     draw({ where: $("where").textContent, error: "error: the page's server does not answer (" + err + ")" });
   }
-  setTimeout(poll, 1000);
+  setTimeout(poll, Math.max(100, 1000 - (performance.now() - started))); // once a second
 }
 
 let typing = null;
