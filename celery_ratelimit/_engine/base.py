@@ -302,6 +302,12 @@ class LimiterBase:
             return None
         return ScriptCall("pause", keys, [int(min(seconds, MAX_HORIZON) * 1_000_000)])
 
+    def _resume_call(self, key: str) -> ScriptCall:
+        """The call that ends ``key``'s pause now."""
+        if not isinstance(key, str) or not key:
+            raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
+        return ScriptCall("resume", [settings_key(self.prefix, escape_key(key))], [])
+
     def _override_call(
         self, key: str, rate: str | Rate | None, ttl: float | None, *, escaped: bool = False
     ) -> ScriptCall:

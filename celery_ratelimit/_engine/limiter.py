@@ -334,6 +334,17 @@ class Limiter(LimiterBase):
         call = self._pause_keys_call(escaped, seconds)
         return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
 
+    def resume(self, key: str) -> float:
+        """End ``key``'s pause now (:meth:`pause`, ``UpstreamRateLimited``), on every
+        worker from its next decision. Calls already placed past the pause keep their
+        slots. Returns the seconds the pause had left (0.0: it was not paused).
+
+        Raises:
+            InvalidLimit: a bad key.
+            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
+        """
+        return float(self._script_reply(self._resume_call(key))) / 1_000_000
+
     def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
         """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
         the rate its calls give: for the key's rate limit of the same window, or for its
