@@ -1,15 +1,25 @@
 """What an operator or an upstream's answer changes on a key, for every worker: pauses,
-rate overrides, observed budgets. A part of :class:`~.limiter.Limiter` (its base)."""
+rate overrides, observed budgets. A part of :class:`~.limiter.Limiter` (its base).
+
+Each pause and override is also noted in an index (``layout.index_key``), written
+after the script call that makes it: what the metrics count without a scan. The index
+only informs; a write to it that fails costs the operation nothing."""
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from .base import LimiterBase, ScriptCall
 from .headers import Observation, parse
+from .layout import OVERRIDES_INDEX, PAUSED_INDEX, index_key, settings_of
 from .limit import LimitSpec
 from .rate import Rate
+
+logger = logging.getLogger("celery_ratelimit")
 
 
 class KeyControls(LimiterBase):
@@ -19,6 +29,32 @@ class KeyControls(LimiterBase):
     def _script_reply(self, call: ScriptCall) -> Any:
         """The script's reply to ``call`` (the limiter's, on its held connection)."""
         raise NotImplementedError
+
+    def _index(self, which: str, names: Sequence[str], seconds: float | None) -> None:
+        """Note in the index ``which`` that the settings hashes ``names`` are paused or
+        overridden for ``seconds`` (``math.inf``: until removed), or (None) no more."""
+        if not names:
+            return
+        index = index_key(self.prefix, which)
+        try:
+            if seconds is None:
+                self.client.zrem(index, *names)
+            else:
+                until = math.inf if seconds == math.inf else (time.time() + seconds) * 1e6
+                self.client.zadd(index, dict.fromkeys(names, until))
+        except Exception as exc:  # the metrics' count only
+            logger.debug("ratelimit: could not write the index %s: %s", index, exc)
+
+    def indexed(self, which: str) -> int:
+        """How many keys the index ``which`` (``layout.PAUSED_INDEX``,
+        ``OVERRIDES_INDEX``) holds now, its lapsed entries dropped.
+
+        Raises:
+            redis.RedisError: as the client raised it.
+        """
+        index = index_key(self.prefix, which)
+        self.client.zremrangebyscore(index, "-inf", time.time() * 1e6)
+        return int(self.client.zcard(index))
 
     def pause(self, key: str, seconds: float | str | Any) -> float:
         """Grant nothing on ``key`` (every limit and concurrency limit of it) for
@@ -31,13 +67,18 @@ class KeyControls(LimiterBase):
             InvalidLimit: a bad key or ``seconds``.
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
         """
-        call = self._pause_call(key, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
+        return self._paused(self._pause_call(key, seconds))
 
     def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
         """:meth:`pause` for keys already escaped (one script call for all of them)."""
-        call = self._pause_keys_call(escaped, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
+        return self._paused(self._pause_keys_call(escaped, seconds))
+
+    def _paused(self, call: ScriptCall | None) -> float:
+        if call is None:
+            return 0.0
+        seconds = float(self._script_reply(call)) / 1_000_000
+        self._index(PAUSED_INDEX, call.keys, seconds)
+        return seconds
 
     def resume(self, key: str) -> float:
         """End ``key``'s pause now (:meth:`pause`, ``UpstreamRateLimited``), on every
@@ -48,7 +89,10 @@ class KeyControls(LimiterBase):
             InvalidLimit: a bad key.
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
         """
-        return float(self._script_reply(self._resume_call(key))) / 1_000_000
+        call = self._resume_call(key)
+        left = float(self._script_reply(call)) / 1_000_000
+        self._index(PAUSED_INDEX, call.keys, None)
+        return left
 
     def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
         """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
@@ -62,7 +106,7 @@ class KeyControls(LimiterBase):
             InvalidRate, InvalidLimit: a bad rate, key or ``ttl``, naming it.
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
         """
-        self._script_reply(self._override_call(key, rate, ttl))
+        self._overridden(self._override_call(key, rate, ttl), rate, ttl)
 
     def override_keys(
         self, escaped: Sequence[str], rate: str | Rate | None, *, ttl: float | None = None
@@ -70,7 +114,12 @@ class KeyControls(LimiterBase):
         """:meth:`override` for keys already escaped (as ``status`` lists them, a
         templated key's hash tag marked: see ``keys``), one script call each."""
         for key in escaped:
-            self._script_reply(self._override_call(key, rate, ttl, escaped=True))
+            self._overridden(self._override_call(key, rate, ttl, escaped=True), rate, ttl)
+
+    def _overridden(self, call: ScriptCall, rate: Any, ttl: float | None) -> None:
+        self._script_reply(call)
+        seconds = None if rate is None else math.inf if ttl is None else float(ttl)
+        self._index(OVERRIDES_INDEX, call.keys, seconds)
 
     def observe(
         self,
@@ -125,4 +174,7 @@ class KeyControls(LimiterBase):
         if call is None:
             return False
         self._script_reply(call)
+        if seen.retry_after:
+            names = sorted({settings_of(name) for name in self.keys_for(key, limits)})
+            self._index(PAUSED_INDEX, names, seen.retry_after)
         return True
