@@ -71,6 +71,10 @@ HANDOFF_WAIT = 0.5
 #: ... and its deferred copy is due this long (seconds) before its expected turn, so that
 #: it is blocking for the turn when the slot is handed over, not on its way.
 HANDOFF_EARLY = 0.1
+#: A copy of a call in line that waited in the park blocks only this long (seconds) for
+#: its turn: a turn handed to it calls it in (``park.call_in``), so a copy that comes by
+#: its estimate has had no turn yet, and confirms at once.
+PARKED_WAIT = 0.05
 #: A handed turn's short lease with less than this left (seconds) is renewed before the
 #: body starts; with more, the renewer renews it this long before it runs out (or
 #: halfway, if sooner): a body shorter than the short lease needs no renewal.

@@ -50,7 +50,7 @@ LEASE = 30.0
 BATCH = 200
 #: A copy waiting for a concurrency slot that may be handed to it is published only this
 #: long (seconds) before it is due: a slot handed over sooner calls it in (``call_in``).
-TURN_LEAD = 0.3
+TURN_LEAD = 0.2
 #: ... and it comes by itself only this long (seconds) after its expected turn (within
 #: the 2 s a place in line is kept past it): a turn comes when a body ends, which an
 #: estimate cannot foresee, and a copy that came too early would be deferred again.
