@@ -38,13 +38,15 @@ READY_TIMEOUT = 120.0
 
 @dataclass
 class Node:
-    """One ``celery worker`` node (prefork) in its own process group."""
+    """One ``celery worker`` node (prefork unless ``pool``) in its own process group."""
 
     name: str
     env: dict[str, str]
     log: Path
     concurrency: int = 2
     wrapper: Sequence[str] = ()
+    pool: str = "prefork"
+    app: str = APP
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Node:
@@ -52,8 +54,8 @@ class Node:
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         cmd = [
-            *self.wrapper, sys.executable, "-m", "celery", "-A", APP, "worker",
-            "-P", "prefork", "-c", str(self.concurrency), "-n", f"{self.name}@%h",
+            *self.wrapper, sys.executable, "-m", "celery", "-A", self.app, "worker",
+            "-P", self.pool, "-c", str(self.concurrency), "-n", f"{self.name}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
         ]  # fmt: skip
         with self.log.open("ab") as out:

@@ -119,6 +119,21 @@ def test_an_override_and_a_pause_share_the_keys_settings(limiter: Limiter) -> No
     assert not limiter.client.exists(settings)
 
 
+def test_a_pause_on_a_key_with_no_settings_yet_leaves_with_the_pause(limiter: Limiter) -> None:
+    """Found by the soak (issue 48): a pause (an upstream's 429) created the key's
+    settings hash without an expiry, taken for a lasting override's, so every key ever
+    paused kept its hash for good. Now it lasts as long as the pause (plus a second)."""
+    settings = f"{limiter.prefix}:{{k}}:settings"
+    limiter.pause("k", 1)
+    assert 1000 < limiter.client.pttl(settings) <= 2000
+    limiter.override("k", "1/s", ttl=5)  # a pause and an override with a ttl: the longer
+    assert 5000 < limiter.client.pttl(settings) <= 6000
+    limiter.override("k", None)
+    limiter.override("k", "1/s")  # a lasting override keeps it for good, pause or not
+    limiter.pause("k", 1)
+    assert limiter.client.pttl(settings) == -1
+
+
 @pytest.mark.parametrize(
     ("key", "rate", "ttl", "error", "named"),
     [

@@ -110,6 +110,35 @@ def test_a_parked_copy_is_published_a_lead_before_it_is_due_with_its_eta_in_redi
     assert park_calls(limiter.client, limiter.prefix) >= 3  # park, claims, drop
 
 
+def test_a_copy_is_counted_published_only_at_its_drop_after_the_broker_has_it(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race behind the node test's "published == parked" read right after the last
+    task ran (failed 1 in 2 on shared nodes): a mover publishes a copy, then drops it,
+    and the drop is what counts it published. While the copy is in the broker (a worker
+    may already be running it), the counts still show it parked and waiting; once the
+    mover's look is over they show it published. A reader must wait for the drop."""
+    task = app.tasks[app.conf.fetch_name]
+    limiter = limiter_for(app)
+    counts_key = park_keys(app, limiter)[2]
+    move_once(app)
+    assert park(task, deferred_copy(app, "t-race"), 0.0)
+    seen: list[tuple[int, int]] = []
+    publish = _park._publish
+
+    def publish_and_look(*args: Any) -> None:
+        publish(*args)  # the copy is in the broker: a worker could run it now
+        counts = limiter.client.hgetall(counts_key)
+        seen.append((int(counts.get(b"published", 0)), waiting(app)))
+
+    monkeypatch.setattr(_park, "_publish", publish_and_look)
+    move_once(app)
+    assert len(queued(app)) == 1
+    assert seen == [(0, 1)]  # published to the broker, not yet counted
+    counts = limiter.client.hgetall(counts_key)
+    assert int(counts[b"published"]) == int(counts[b"park"]) == 1 and waiting(app) == 0
+
+
 @pytest.mark.parametrize("failure", [ConnectionError("broker down"), SystemExit(1)])
 def test_a_copy_its_mover_did_not_publish_is_claimed_again_when_the_claim_lapses(
     app: Celery, monkeypatch: pytest.MonkeyPatch, failure: BaseException

@@ -2,11 +2,16 @@
 -- cut of an effective rate, and keeping the hash as long as what it holds.
 
 -- Keep the settings hash `key` at least until `till` (µs; for good once persisted by a
--- lasting override).
+-- lasting override). A hash this call has just created has no expiry yet either: only
+-- a lasting override (`rate` ending in a `till` of 0) keeps one for good.
 local function settings_keep(key, now, till)
   local ttl = redis.call('PTTL', key)
   local need = math.ceil((till - now) / 1000) + 1000
-  if ttl ~= -1 and ttl < need then redis.call('PEXPIRE', key, need) end
+  if ttl == -1 then
+    local rate = redis.call('HGET', key, 'rate')
+    if rate and string.match(rate, ' 0$') then return end
+  end
+  if ttl < need then redis.call('PEXPIRE', key, need) end
 end
 
 -- Pause `key` for `us` µs from now (a later end already there wins); returns its end.

@@ -1,0 +1,174 @@
+"""What the soak judges at the end: the record the task bodies kept on disk (never in a
+server the soak breaks), and what Redis still holds once everything is idle.
+
+Windows are judged by the limiter's Redis clock: each start record carries its
+decision's instant (``Decision.at``, Redis ``TIME`` when the script granted or reserved
+the slot), taken from the decision itself, so a Redis paused or restarted when the body
+wrote its line changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.soak_app import AT_ONCE, LIMITS
+from celery_ratelimit._celery.park import LEAD as PARK_LEAD
+from tests.fault_nodes import due_times
+from tests.measure import max_weight_in_window, most_at_once
+
+#: seconds from a message's hand-off to the broker to a kill -9 within which its loss is
+#: put down to kombu's ``BRPOP`` gap (a popped reply can wait unread for seconds)
+GAP = 5.0
+#: ... or at most this long after it: a ``BRPOP`` the killed node had sent is served
+#: until Redis sees the connection closed, and ``sent`` is read after the send returns
+LATE = 0.5
+#: scores below this are a sorted set's meta members, not entries
+META = 10**13
+
+
+@dataclass
+class Record:
+    """The lines of the record file, read as they are appended."""
+
+    path: Path
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    done: Counter[str] = field(default_factory=Counter)
+    ends: dict[str, float] = field(default_factory=dict)
+    _offset: int = 0
+
+    def read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        for raw in whole.splitlines():
+            line = json.loads(raw)
+            if line["e"] == "s":
+                self.starts.append(line)
+            else:
+                self.done[line["id"]] += 1
+                if "run" in line:
+                    self.ends[line["run"]] = line["t"]
+
+
+@dataclass
+class Verdict:
+    tasks: int
+    ran: int
+    lost: int
+    dup: int
+    over_limit: int
+    details: list[str]
+    gap: int
+
+
+def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path) -> Verdict:
+    """Every task ran (at least once); no window started more than its limit; no more
+    bodies at once than a ``Concurrency`` allows; every run had a decision.
+
+    One loss is not the limiter's: kombu pops a message from a Redis broker's list
+    (``BRPOP``) before it records it as unacknowledged, so a node SIGKILLed with a
+    popped message not yet taken in loses it, with or without this library
+    (docs/operations.md, "Worker killed"). A task that no node ever logged as received
+    (nor deferred since), whose last hand-off to the broker (``sent``: epoch seconds it
+    was sent; or its newest deferred copy, due by a node's log) came at most
+    :data:`GAP` s before a kill -9 of a node (``kills``, epoch seconds), or :data:`LATE`
+    s after it, is counted apart as lost in that gap. Every other missing task is lost."""
+    ids = set(sent)
+    details = []
+    over = 0
+    undecided = [s for s in record.starts if s["at"] is None]
+    if undecided:
+        over += len(undecided)
+        details.append(f"{len(undecided)} bodies ran without a decision: {undecided[:3]}")
+    by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for start in record.starts:
+        by_task[start["task"]].append(start)
+    for task, limits in LIMITS.items():
+        events = [(s["at"], int(s.get("cost", 1))) for s in by_task[task] if s["at"] is not None]
+        for key, limit, window in limits:
+            worst = max_weight_in_window(events, round(window * 1_000_000)) if events else 0
+            details.append(
+                f"{task:<9} {key}: {limit}/{window:g}s, {len(events)} grants, worst window {worst}"
+            )
+            over += max(0, worst - limit)
+    for task, most in AT_ONCE.items():
+        spans = [
+            (round(s["t"] * 1e6), round(record.ends[s["run"]] * 1e6))
+            for s in by_task[task]
+            if s.get("run") in record.ends
+        ]
+        worst = most_at_once(spans)
+        details.append(f"{task:<9} bodies at once: at most {most}, worst {worst}")
+        over += max(0, worst - most)
+    lost = ids - set(record.done)
+    lines = [ln for p in logs.glob("*.log") for ln in p.read_text("utf-8", "replace").split("\n")]
+    due = due_times(lines)
+    received = {i for i in lost if any(i in line and "received" in line for line in lines)}
+    gap = set()
+    for i in lost - received:
+        handed = max(sent[i], due.get(i, 0.0) - PARK_LEAD)
+        if any(-LATE <= kill - handed <= GAP for kill in kills):
+            gap.add(i)
+    if gap:
+        details.append(f"kombu: {len(gap)} lost at a kill -9, never taken in: {sorted(gap)}")
+    lost -= gap
+    if lost:
+        details.append(f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received)")
+    return Verdict(
+        tasks=len(ids),
+        ran=len(ids & set(record.done)),
+        lost=len(lost),
+        dup=sum(1 for i in ids if record.done[i] > 1),
+        over_limit=over,
+        details=details,
+        gap=len(gap),
+    )
+
+
+def held(client: Any, prefix: str) -> list[str]:
+    """What the limiter's Redis still holds under ``prefix`` once idle (past every
+    window, lease and claim): reservations, concurrency holders, waiters and turns,
+    handoff lists, fair queues, parked copies and claims, and any key without an
+    expiry. A sorted set's meta members (scored below 10**13, docs/storage.md: a log's
+    totals, a holders set's average hold) are not entries; the park's counts (a
+    monitoring hash) are the only key that may stay."""
+    left = []
+    for raw in client.scan_iter(match=f"{prefix}:*", count=500):
+        key = raw.decode()
+        if key.endswith(":counts") and "{park:" in key:
+            continue
+        kind = client.type(raw).decode()
+        ttl = client.pttl(raw)
+        size = {
+            "zset": lambda k: client.zcount(k, META, "+inf"),
+            "hash": client.hlen,
+            "list": client.llen,
+            "set": client.scard,
+        }.get(kind, lambda _: 1)(raw)
+        if size or ttl == -1:
+            left.append(f"{key} ({kind}, {size} entries, ttl {ttl} ms)")
+    return left
+
+
+def broker_leftovers(client: Any) -> list[str]:
+    """Messages a Redis broker still has once the soak is idle: in its queues, unacked,
+    or waiting in its ``unacked_index``."""
+    left = []
+    for raw in client.scan_iter(count=500):
+        key = raw.decode()
+        kind = client.type(raw).decode()
+        if kind == "list" and not key.startswith("_kombu") and client.llen(raw):
+            left.append(f"queue {key}: {client.llen(raw)}")
+        elif key in ("unacked", "unacked_index") and (
+            client.hlen(raw) if kind == "hash" else client.zcard(raw)
+        ):
+            left.append(f"{key}: {client.hlen(raw) if kind == 'hash' else client.zcard(raw)}")
+    return left
