@@ -321,6 +321,9 @@ def test_park_depth_paused_keys_and_overrides_are_counted_through_every_door(
     assert park(t, t.signature(("t1",)), 30.0)
     time.sleep(0.3)
     assert read_gauges(app) == {"parked": 1, "paused_keys": 3, "overrides": 2}
+    # an index lapses with its last pause; one that holds a lasting override does not
+    assert 0 < limiter.client.pttl("metrics:{index}:paused") <= 31_000
+    assert limiter.client.pttl("metrics:{index}:overrides") == -1
     assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_paused_keys") == 3
     assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_overrides") == 2
     assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_parked") == 1

@@ -39,9 +39,15 @@ class KeyControls(LimiterBase):
         try:
             if seconds is None:
                 self.client.zrem(index, *names)
-            else:
-                until = math.inf if seconds == math.inf else (time.time() + seconds) * 1e6
-                self.client.zadd(index, dict.fromkeys(names, until))
+                return
+            # kept as long as its last entry (for good once an entry has no end)
+            ttl = self.client.pttl(index)
+            until = math.inf if seconds == math.inf else (time.time() + seconds) * 1e6
+            self.client.zadd(index, dict.fromkeys(names, until))
+            if until == math.inf:
+                self.client.persist(index)
+            elif ttl != -1 and ttl < seconds * 1000 + 1000:
+                self.client.pexpire(index, math.ceil(seconds * 1000) + 1000)
         except Exception as exc:  # the metrics' count only
             logger.debug("ratelimit: could not write the index %s: %s", index, exc)
 
