@@ -190,14 +190,14 @@ def one_floor_call(self: Any) -> None:
 BODY = float(os.environ.get("CRL_BENCH_BODY", "0.2"))
 
 
-def hold_body(task: Any) -> None:
-    """A body of BODY seconds: the slots Redis holds as it starts go to ``bench:holders``
-    and its span to ``bench:spans``."""
+def hold_body(task: Any, body: float = BODY, key: str = "slots") -> None:
+    """A body of ``body`` seconds holding a slot of ``key``: the slots Redis holds as it
+    starts go to ``bench:holders`` and its span to ``bench:spans``."""
     start = record(task)
     assert _client is not None
     # the slots held as Redis has them when this body starts (the invariant: at most 2)
-    _client.rpush("bench:holders", _client.zcard("bench:{slots}:conc:0:s"))
-    time.sleep(BODY)
+    _client.rpush("bench:holders", _client.zcard(f"bench:{{{key}}}:conc:0:s"))
+    time.sleep(body)
     end = int((time.time() + (_clock._offset or 0.0)) * 1_000_000)
     _client.rpush("bench:spans", f"{start} {end}")
 
@@ -206,6 +206,12 @@ def hold_body(task: Any) -> None:
 def slotted(self: Any, key: str = "") -> None:
     """A body holding a slot for BODY seconds; its span goes to ``bench:spans``."""
     hold_body(self)
+
+
+@app.task(base=RateLimitedTask, ratelimit=Concurrency(2, key="uneven"), bind=True)
+def uneven(self: Any, body: float) -> None:
+    """A body of ``body`` seconds under Concurrency(2) (bench_handoff)."""
+    hold_body(self, body, "uneven")
 
 
 @app.task(

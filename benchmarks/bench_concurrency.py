@@ -64,7 +64,10 @@ class CallKinds:
                 if verb == "EVALSHA" and len(words) > 1:
                     self.counts[self.scripts.get(words[1], "other script")] += 1
                 elif verb in ("BLPOP", "LPOP"):
-                    self.counts[verb.lower()] += 1
+                    # a mover's nap, woken by a copy called in, is the park's
+                    key = words[1].strip('"') if len(words) > 1 else ""
+                    park = ":{park:" in key and key.endswith(":wake")
+                    self.counts["park" if park else verb.lower()] += 1
         except Exception:  # the monitor closed
             return
 

@@ -10,6 +10,7 @@ wrote its line changes nothing.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,14 +140,21 @@ def held(client: Any, prefix: str) -> list[str]:
     handoff lists, fair queues, parked copies and claims, and any key without an
     expiry. A sorted set's meta members (scored below 10**13, docs/storage.md: a log's
     totals, a holders set's average hold) are not entries; the park's counts (a
-    monitoring hash) are the only key that may stay."""
+    monitoring hash) and wake-up list may stay, and the indexes of paused and overridden
+    keys hold only until their entries lapse."""
     left = []
     for raw in client.scan_iter(match=f"{prefix}:*", count=500):
         key = raw.decode()
-        if key.endswith(":counts") and "{park:" in key:
-            continue
+        if key.endswith((":counts", ":wake")) and "{park:" in key:
+            continue  # a monitoring hash; a mover's wake-up (one item, lapsing)
         kind = client.type(raw).decode()
         ttl = client.pttl(raw)
+        if key.endswith(("{index}:paused", "{index}:overrides")):
+            # the metrics' indexes: an entry lapses when its pause or override ends
+            size = client.zcount(raw, f"({time.time() * 1e6}", "+inf")
+            if size or ttl == -1:
+                left.append(f"{key} ({kind}, {size} in force, ttl {ttl} ms)")
+            continue
         size = {
             "zset": lambda k: client.zcount(k, META, "+inf"),
             "hash": client.hlen,

@@ -10,11 +10,20 @@
 -- KEYS[3]  hash: calls of each operation ("park", "claim", "drop") and copies published
 --          ("published"), for monitoring; "mover": when a mover last claimed (µs)
 -- KEYS[4]  hash: copy id -> the id of the mover whose claim holds it
--- ARGV[1]  "park" | "claim" | "drop"
+-- KEYS[5]  hash: the token of a call waiting for a concurrency slot -> its copy's id
+-- KEYS[6]  list: wakes a mover blocked on it (a copy called in)
+-- ARGV[1]  "park" | "claim" | "drop" | "call"
 --
 -- park   ARGV[2] copy id, ARGV[3] delay (µs from now), ARGV[4] payload, ARGV[5] how
 --        recently (µs) some mover must have claimed: a park no mover serves takes no copy.
+--        ARGV[6] (optional) the token of the call if it waits for a concurrency slot
+--        that may be handed to it (its copy may be called in), ARGV[7] how long (µs)
+--        after the usual lead ahead of its due time it is claimed (it comes nearer its
+--        turn; called in when the turn is handed to it).
 --        Reply: when the copy is due (µs, Redis time), or -1 if it was not parked.
+-- call   ARGV[2] a waiting call's token: its turn was handed to it, so its copy is due
+--        now; a mover is woken to publish it. Reply: 1, or 0 if no copy of that call is
+--        parked unclaimed (it waits in a worker or the broker, or is being published).
 -- claim  ARGV[2] lead (µs): claim copies due within this from now;
 --        ARGV[3] lease (µs); ARGV[4] at most this many copies; ARGV[5] the mover's id;
 --        ARGV[6] "1": first the copies this mover's earlier claims hold (a claim whose
@@ -35,6 +44,10 @@ if op == 'drop' then
   end
   redis.call('HDEL', KEYS[2], unpack(ids))
   redis.call('HDEL', KEYS[4], unpack(ids))
+  for _, id in ipairs(ids) do
+    local token = id:match('^(.*)~')
+    if token and redis.call('HGET', KEYS[5], token) == id then redis.call('HDEL', KEYS[5], token) end
+  end
   redis.call('HINCRBY', KEYS[3], 'published', #ids)
   return redis.call('ZREM', KEYS[1], unpack(ids))
 end
@@ -49,8 +62,29 @@ if op == 'park' then
   end
   local due = now + tonumber(ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[2], string.format('%.0f', due) .. '|' .. ARGV[4])
-  redis.call('ZADD', KEYS[1], due, ARGV[2])
+  redis.call('ZADD', KEYS[1], due + tonumber(ARGV[7] or 0), ARGV[2])
+  if ARGV[6] and ARGV[6] ~= '' then
+    redis.call('HSET', KEYS[5], ARGV[6], ARGV[2])
+    redis.call('PEXPIRE', KEYS[5], math.ceil(tonumber(ARGV[3]) / 1000) + 86400000)
+  end
   return due
+end
+
+if op == 'call' then
+  local id = redis.call('HGET', KEYS[5], ARGV[2])
+  if not id or redis.call('HGET', KEYS[4], id) then return 0 end
+  local value = redis.call('HGET', KEYS[2], id)
+  if not value then
+    redis.call('HDEL', KEYS[5], ARGV[2])
+    return 0
+  end
+  local bar = value:find('|', 1, true)
+  redis.call('HSET', KEYS[2], id, string.format('%.0f', now) .. value:sub(bar))
+  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('DEL', KEYS[6]) -- one wake-up is enough for any number of copies
+  redis.call('RPUSH', KEYS[6], '1')
+  redis.call('PEXPIRE', KEYS[6], 60000)
+  return 1
 end
 
 if op == 'claim' then

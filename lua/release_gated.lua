@@ -4,7 +4,8 @@
 -- body gives back goes to the first waiter in line, in this call (lib/concurrency.lua,
 -- conc_hand). What it does: lib/release_body.lua, with the functions of lib/gate.lua.
 --
--- KEYS, ARGV, flag and reply: release.lua's.
+-- KEYS, ARGV and flag: release.lua's. Reply: a decision's, status 4, then the token of
+-- each waiter handed a slot (its caller calls that waiter's copy in: park.lua, expedite).
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua"

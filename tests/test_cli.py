@@ -387,6 +387,28 @@ def test_status_and_explain_show_running_bodies_waiters_and_a_pause(
     limiter.client.close()
 
 
+def test_pause_and_resume_by_both_command_lines(
+    server: RedisServer, limiter: Limiter, env: dict[str, str]
+) -> None:
+    """``pause KEY SECONDS`` stops every grant on the key; ``resume KEY`` ends it at once
+    and says how much was left; a second resume says there was no pause."""
+    search = Limit(SEARCH)
+    out = cli("pause", "yt:search:key1", "30", "--url", server.url, "--prefix", "example", env=env)
+    assert (
+        out.strip() == "yt:search:key1: paused on every worker, nothing is granted on it for 30.0s"
+    )
+    assert 29 < limiter.peek("yt:search:key1", search).retry_after <= 30
+    result = run(CELERY, "-A", APP, "ratelimit", "resume", "yt:search:key1", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("yt:search:key1: resumed (")
+    assert limiter.peek("yt:search:key1", search).allowed
+    assert cli("resume", "yt:search:key1", "-A", APP, env=env).strip() == (
+        "yt:search:key1: was not paused"
+    )
+    bad = run(sys.executable, "-m", "celery_ratelimit", "pause", "k", "soon", "-A", APP, env=env)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: not a Retry-After value")
+
+
 def test_set_and_unset_change_what_every_decision_grants(
     server: RedisServer, limiter: Limiter, env: dict[str, str]
 ) -> None:

@@ -66,6 +66,42 @@ def test_three_nodes_never_run_more_bodies_at_once_than_the_limit(
     drain_slots(shared_nodes, task, 24)
 
 
+def still_held(client: Any, prefix: str) -> list[str]:
+    """The keys under ``prefix`` still holding something of a call: a concurrency slot
+    (its starts), a place in line (its waiters, those that may be handed a turn), a
+    parked copy, a mover's claim or a parked copy's place in line."""
+    held = []
+    for pattern in ("*:conc:0:s", "*:conc:0:r", "*:conc:0:go", "*{park:*}:due"):
+        held += [k.decode() for k in client.scan_iter(f"{prefix}:{pattern}") if client.zcard(k)]
+    for pattern in ("*{park:*}:claims", "*{park:*}:turns"):
+        held += [k.decode() for k in client.scan_iter(f"{prefix}:{pattern}") if client.hlen(k)]
+    return held
+
+
+def test_a_slot_freed_early_calls_in_the_parked_copy_it_was_handed_to(
+    shared_nodes: Nodes,
+) -> None:
+    """Uneven bodies (0.1-1.2 s) sent at once to three nodes: calls in line are parked
+    for their expected turn, and a body that ends sooner hands its slot to the first of
+    them, whose copy is called in (``park.call_in``) instead of waiting out the
+    estimate. Every task runs once, never more than 2 at once by Redis time, and once
+    idle nothing is left held: no slot, no place in line, no parked copy."""
+    nodes = shared_nodes
+    times = [0.1, 1.2, 0.2, 0.9, 0.1, 0.6, 1.1, 0.1, 0.4, 0.8, 0.1, 0.3]
+    ids = [nodes.send("slotted_for", i, body).id for i, body in enumerate(times)]
+    wait_for(nodes, ids, 90)
+    runs = Counter(r["id"] for r in nodes.runs() if r["id"] in set(ids))
+    assert sorted(runs) == sorted(ids) and set(runs.values()) == {1}
+    assert most_at_once(bodies(nodes, ids)) <= 2
+    with nodes.redis() as client:
+        counts = [client.hgetall(k) for k in client.scan_iter(f"{nodes.prefix}:{{park:*}}:counts")]
+        assert sum(int(c.get(b"call", 0)) for c in counts) >= 1  # copies were called in
+        deadline = time.monotonic() + 10
+        while (held := still_held(client, nodes.prefix)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the last releases and drops
+        assert held == []
+
+
 @pytest.mark.parametrize(
     ("pool", "concurrency"), [("threads", 4), ("solo", 1), ("gevent", 20), ("eventlet", 20)]
 )

@@ -17,12 +17,22 @@ FORBIDDEN = {
 }
 
 
+def parse(source: str) -> ast.Module:
+    """``ast.parse``, again once if CPython 3.11 before 3.11.8 raised its "AST
+    constructor recursion depth mismatch" (cpython#106905: a thread of an earlier test
+    that changes the recursion limit meanwhile shifts every thread's depth count)."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def imports_of(path: Path) -> set[str]:
     """The absolute module names ``path`` imports (relative imports resolved)."""
     module = "celery_ratelimit." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
     package = module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -202,6 +202,9 @@ def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
     assert seen.get(("celery_ratelimit_reservations", label), 0.0) == 0
     assert seen[("celery_ratelimit_backlog_drains_at_seconds", label)] > 0  # slots were reserved
     assert seen[("celery_ratelimit_decision_seconds_count", "")] >= 8
+    # read by the node's main process (no label: one series each, whatever the keys)
+    for gauge in ("parked", "paused_keys", "overrides"):
+        assert (f"celery_ratelimit_{gauge}", "") in seen
 
 
 def test_a_concurrency_limit_counts_every_body_and_leaves_no_reservation(
@@ -287,3 +290,44 @@ def test_an_outage_shows_as_redis_deferrals_errors_and_latency(server: RedisServ
     outage = [e for e in events if e["why"] == "redis"]
     assert len(outage) >= 4 and all(not e["reserved"] for e in outage)
     assert {e["why"] for e in events} == {"redis"}
+
+
+def test_park_depth_paused_keys_and_overrides_are_counted_through_every_door(
+    server: RedisServer,
+) -> None:
+    """The three gauges read what Redis holds, whichever door wrote it: a pause by
+    Limiter.pause, by the CLI and by an upstream's Retry-After; an override by Limiter
+    and by the CLI; a copy parked. A lapsed pause, a resume and an unset leave them."""
+    from celery_ratelimit._celery.gauges import read_gauges
+    from celery_ratelimit._celery.park import move_once, park
+    from celery_ratelimit._celery.settings import limiter_for
+    from celery_ratelimit._tools.cli import main as cli
+
+    app = metrics_app(server, "gauges")
+
+    @app.task(base=RateLimitedTask, ratelimit=Limit("10/s", key="api:{tenant}"), name="g.t")
+    def t(tenant: str) -> None:
+        pass
+
+    limiter = limiter_for(app)
+    door = ["--url", server.url, "--prefix", "metrics"]
+    limiter.pause("api:t1", 30)
+    assert cli(["pause", "api:t2", "30", *door]) == 0
+    limiter.observe("api:t3", {"Retry-After": "30"}, Limit("10/s"))
+    limiter.pause("api:t4", 0.2)  # lapses before the read below
+    limiter.override("api:t1", "5/s", ttl=60)
+    assert cli(["set", "api:t5", "7/s", *door]) == 0
+    move_once(app)  # a mover serves the park
+    assert park(t, t.signature(("t1",)), 30.0)
+    time.sleep(0.3)
+    assert read_gauges(app) == {"parked": 1, "paused_keys": 3, "overrides": 2}
+    # an index lapses with its last pause; one that holds a lasting override does not
+    assert 0 < limiter.client.pttl("metrics:{index}:paused") <= 31_000
+    assert limiter.client.pttl("metrics:{index}:overrides") == -1
+    assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_paused_keys") == 3
+    assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_overrides") == 2
+    assert prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_parked") == 1
+    assert cli(["resume", "api:t2", *door]) == 0
+    assert cli(["unset", "api:t5", *door]) == 0
+    limiter.override("api:t1", None)
+    assert read_gauges(app) == {"parked": 1, "paused_keys": 2, "overrides": 0}

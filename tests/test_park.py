@@ -21,7 +21,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ratelimit import InvalidLimit, Limit, RateLimitedTask, install
+from celery_ratelimit import Concurrency, InvalidLimit, Limit, RateLimitedTask, install
 from celery_ratelimit._celery import park as _park
 from celery_ratelimit._celery.park import move_once, park, park_calls, park_keys
 from celery_ratelimit._celery.settings import limiter_for, park_after, park_undecided
@@ -324,3 +324,56 @@ def test_a_bad_park_after_is_refused_at_install_naming_the_value(value: Any) -> 
 def test_park_after_none_is_accepted(app: Celery) -> None:
     app.conf.ratelimit_park_after = None
     install(app)
+
+
+def test_a_parked_waiter_whose_turn_is_handed_over_is_called_in_and_published_due_now(
+    app: Celery,
+) -> None:
+    """A body that ends hands its concurrency slot to the first call in line; that
+    call's copy, parked for its *expected* turn far ahead, is made due now and a mover
+    woken for it: it is published at once, with an ETA of now, not of the estimate."""
+    task = app.tasks[app.conf.fetch_name]
+    limiter = limiter_for(app)
+    keys, wake = park_keys(app, limiter), park_keys(app, limiter)[5]
+    conc = Concurrency(1, key="callin")
+    holder = limiter.acquire("callin", conc)
+    waiter = limiter.acquire("callin", conc, reserve=True)
+    assert holder.allowed and waiter.reserved
+    move_once(app)  # a mover serves the park
+    # its copy is parked as a call in line is, due (by the estimate) in 60 s
+    assert park(task, deferred_copy(app, "t-waiter"), 60.0, waiting=waiter.token)
+    assert park(task, deferred_copy(app, "t-other"), 60.0)  # a copy not in line
+    move_once(app)
+    assert queued(app) == []  # both due in 60 s
+    handed = limiter.release_handing(holder.token, "callin", conc)
+    assert handed == (waiter.token,)  # the slot went to the first call in line
+    seconds, micros = limiter.client.time()
+    assert _park.call_in(app, limiter, waiter.token) is True
+    assert limiter.client.lrange(wake, 0, -1) == [b"1"]  # a mover is woken
+    assert _park.call_in(app, limiter, "00" * 8) is False  # no copy of that call parked
+    move_once(app)
+    messages = queued(app)
+    assert [m["headers"]["id"] for m in messages] == ["t-waiter"]  # the other waits
+    eta = datetime.datetime.fromisoformat(messages[0]["headers"]["eta"]).timestamp()
+    assert eta <= seconds + micros / 1e6 + 1.0  # due now, not in 60 s
+    assert waiting(app) == 1
+    assert limiter.client.hgetall(keys[4]) == {}  # dropped: nothing of it left held
+    assert _park.call_in(app, limiter, waiter.token) is False  # published: once
+
+
+def test_a_copy_in_line_is_due_a_turn_slack_late_and_claimed_a_turn_lead_before(
+    app: Celery,
+) -> None:
+    task = app.tasks[app.conf.fetch_name]
+    limiter = limiter_for(app)
+    keys = park_keys(app, limiter)
+    move_once(app)
+    assert park(task, deferred_copy(app, "t-plain"), 10.0)
+    assert park(task, deferred_copy(app, "t-line"), 10.0, waiting="ab" * 8)
+    scores = dict(limiter.client.zrange(keys[0], 0, -1, withscores=True))
+    plain, line = (scores[k] for k in sorted(scores, key=lambda k: k.startswith(b"ab")))
+    # the copy in line comes by itself TURN_SLACK after its expected turn; a mover
+    # claims what is scored within LEAD of now: it TURN_LEAD before it is due, the
+    # other LEAD before
+    later = _park.TURN_SLACK + _park.LEAD - _park.TURN_LEAD
+    assert line - plain == pytest.approx(later * 1e6, abs=50_000)

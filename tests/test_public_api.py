@@ -39,6 +39,7 @@ def test_contract_additions_have_their_methods() -> None:
         "release",
         "renew",
         "pause",
+        "resume",
         "override",
         "reset",
         "settle",

@@ -28,6 +28,7 @@ from .beside import attach
 from .clock import observe
 from .green import _pool, lead
 from .metrics import metrics_for
+from .park import call_in_handed
 from .plan import Plan
 from .settings import limiter_for, park_after, setting
 from .slots import Held, hold, release
@@ -70,6 +71,10 @@ HANDOFF_WAIT = 0.5
 #: ... and its deferred copy is due this long (seconds) before its expected turn, so that
 #: it is blocking for the turn when the slot is handed over, not on its way.
 HANDOFF_EARLY = 0.1
+#: A copy of a call in line that waited in the park blocks only this long (seconds) for
+#: its turn: a turn handed to it calls it in (``park.call_in``), so a copy that comes by
+#: its estimate has had no turn yet, and confirms at once.
+PARKED_WAIT = 0.05
 #: A handed turn's short lease with less than this left (seconds) is renewed before the
 #: body starts; with more, the renewer renews it this long before it runs out (or
 #: halfway, if sooner): a body shorter than the short lease needs no renewal.
@@ -130,6 +135,11 @@ class Check:
         self.sent = 0.0  # time.monotonic() when the last decision was asked for
         self.lead = 0.0  # how long after its decision the last grant was counted
         self.restamps = 0
+
+    @property
+    def parking(self) -> Any:
+        """The app whose park may hold copies of calls in line (None: parking is off)."""
+        return self.task.app if _process_settings(self.task).park_after is not None else None
 
     def setting(self, name: str) -> Any:
         return setting(name, self.task.app, self.task, self.request)
@@ -215,7 +225,8 @@ class Check:
         assert self.lease is not None
         lease = min(slot.lease or self.lease for slot in self.slots)
         keys = self.keys[-len(self.slots) :]
-        held = Held(self.limiter, keys, self.slots, token.partition(".")[0], lease, due=due)
+        bare = token.partition(".")[0]
+        held = Held(self.limiter, keys, self.slots, bare, lease, due=due, app=self.parking)
         hold(self.request, held)
         return held
 
@@ -301,7 +312,8 @@ class Check:
         wastes budget."""
         if token:
             with contextlib.suppress(LimiterUnavailable, LimiterMisconfigured):
-                self.limiter.release(token, self.keys, self.limits, self.costs)
+                handed = self.limiter.release_handing(token, self.keys, self.limits, self.costs)
+                call_in_handed(self.parking, self.limiter, handed)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def defer(check: Check, d: Deferral) -> str | None:
         _give_back(check, token)
         token = None
     signature = _copy(check, countdown, token, deferrals + 1, denials)
-    parked = _park(check, signature, countdown)
+    parked = _park(check, signature, countdown, token)
     if not parked:
         try:
             signature.apply_async()
@@ -159,15 +159,19 @@ def _copy(check: Check, countdown: float, token: str | None, deferrals: int, den
     )
 
 
-def _park(check: Check, signature: Any, countdown: float) -> bool:
-    """Park the copy in Redis if it is due later than ``ratelimit_park_after``
-    (see ``park``); False if it is to be published to the broker now: due sooner,
-    parking off, no node's mover seen lately, or the park could not be written."""
+def _park(check: Check, signature: Any, countdown: float, token: str | None) -> bool:
+    """Park the copy in Redis if it is due later than ``ratelimit_park_after``, or if
+    it is in line (``token``) for a concurrency slot that may be handed to it (see
+    ``park``); False if it is to be published to the broker now: due sooner, parking
+    off, no node's mover seen lately, or the park could not be written."""
     after = _process_settings(check.task).park_after
-    if after is None or countdown <= after:
+    # a call in line for a concurrency slot that may be handed to it waits in the park
+    # however soon its turn is expected: a slot handed over sooner calls it in at once
+    waiting = token.partition(".")[0] if check.handy and token else None
+    if after is None or (countdown <= after and waiting is None):
         return False
     try:
-        return park(check.task, signature, countdown + ETA_MARGIN)
+        return park(check.task, signature, countdown + ETA_MARGIN, waiting)
     except Exception as exc:  # the broker still takes it
         interval = setting("ratelimit_warning_interval", check.task.app)
         if _log_at_most_every(interval, "park"):

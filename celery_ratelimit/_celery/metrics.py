@@ -15,6 +15,10 @@ Prometheus (``pip install 'celery-ratelimit[metrics]'``, then
 - ``celery_ratelimit_reservations``: slots reserved and not yet used. A reservation is
   made by the worker that deferred a task and used by whichever worker runs it, so one
   process's value can be negative; ``sum by (limit)`` over all workers is the count.
+- ``celery_ratelimit_parked``, ``celery_ratelimit_paused_keys``,
+  ``celery_ratelimit_overrides``: copies waiting in the park, keys paused, keys with a
+  rate override in force; read from Redis by each node every ``gauges.EVERY`` seconds
+  (no label: counts, never a series per key)
 - ``celery_ratelimit_declared_rate`` and ``celery_ratelimit_effective_rate``: an
   adapting limit's (``Limit(adapt=True)``) declared rate and the rate in force on every
   worker (lower after an upstream's 429s), in units a second. A process reads the
@@ -126,6 +130,22 @@ class Metrics:
             "The rate in force of an adapting limit (Limit(adapt=True)) on every worker: "
             "the declared rate, or less after an upstream's 429s; units a second.",
             ["limit"],
+            multiprocess_mode="livemostrecent",
+        )
+        # what Redis holds, read by each node every few seconds (see ``gauges``)
+        self.parked = gauge(
+            "celery_ratelimit_parked",
+            "Deferred copies waiting in the park (the limiter's Redis), all brokers' nodes.",
+            multiprocess_mode="livemostrecent",
+        )
+        self.paused_keys = gauge(
+            "celery_ratelimit_paused_keys",
+            "Keys paused now (an upstream's 429, Limiter.pause, the CLI or the page).",
+            multiprocess_mode="livemostrecent",
+        )
+        self.overrides = gauge(
+            "celery_ratelimit_overrides",
+            "Keys with a rate override in force (the CLI, the page, Limiter.override).",
             multiprocess_mode="livemostrecent",
         )
         self._rates_read: dict[str, float] = {}  # label -> time.monotonic() of the read

@@ -48,6 +48,13 @@ LEAD = 1.0
 LEASE = 30.0
 #: At most this many copies a claim; a full claim is followed by the next at once.
 BATCH = 200
+#: A copy waiting for a concurrency slot that may be handed to it is published only this
+#: long (seconds) before it is due: a slot handed over sooner calls it in (``call_in``).
+TURN_LEAD = 0.2
+#: ... and it comes by itself only this long (seconds) after its expected turn (within
+#: the 2 s a place in line is kept past it): a turn comes when a body ends, which an
+#: estimate cannot foresee, and a copy that came too early would be deferred again.
+TURN_SLACK = 1.0
 #: A mover with nothing due looks again after at most this long (seconds): less than
 #: ``ratelimit_park_after`` - LEAD, so no copy is claimed late.
 POLL = 0.5
@@ -61,11 +68,12 @@ MOVER_SEEN = 5.0
 
 
 def park_keys(app: Any, limiter: Limiter) -> list[str]:
-    """The park of ``app``'s broker: its sorted set, its hash of copies, its counts, and
-    which mover's claim holds each claimed copy."""
+    """The park of ``app``'s broker: its sorted set, its hash of copies, its counts,
+    which mover's claim holds each claimed copy, the copies of calls waiting for a
+    concurrency slot by token, and the list that wakes a mover (``lua/park.lua``)."""
     broker = str(app.conf.broker_write_url or app.conf.broker_url)
     base = f"{limiter.prefix}:{{park:{_digest(broker)}}}"
-    return [f"{base}:due", f"{base}:copies", f"{base}:counts", f"{base}:claims"]
+    return [f"{base}:{name}" for name in ("due", "copies", "counts", "claims", "turns", "wake")]
 
 
 @lru_cache(maxsize=64)
@@ -77,17 +85,22 @@ def _digest(broker: str) -> str:
 
 
 def park_calls(client: Any, prefix: str) -> int:
-    """How many script calls every park under ``prefix`` has counted (parks, claims and
-    drops): what a count of ``EVALSHA`` calls holds besides rate-limit decisions."""
+    """How many script calls every park under ``prefix`` has counted (parks, claims,
+    drops and copies called in): what a count of ``EVALSHA`` calls holds besides
+    rate-limit decisions."""
     calls = 0
     for key in client.scan_iter(match=f"{prefix}:{{park:*}}:counts", count=100):
-        calls += sum(int(n) for n in client.hmget(key, "park", "claim", "drop") if n)
+        calls += sum(int(n) for n in client.hmget(key, "park", "claim", "drop", "call") if n)
     return calls
 
 
-def park(task: Any, signature: Any, countdown: float) -> bool:
+def park(task: Any, signature: Any, countdown: float, waiting: str | None = None) -> bool:
     """Park ``signature`` (a deferred copy of ``task``), due ``countdown`` seconds from
     now by Redis's clock; False if no mover serves the park (the copy is not parked).
+    ``waiting``: the token of a call waiting in line for a concurrency slot that may be
+    handed to it; its copy is due :data:`TURN_SLACK` later, claimed only
+    :data:`TURN_LEAD` before it is due, and called in (:func:`call_in`) as soon as the
+    slot is handed to it.
 
     Raises:
         LimiterUnavailable, LimiterMisconfigured: the park could not be written.
@@ -100,21 +113,43 @@ def park(task: Any, signature: Any, countdown: float) -> bool:
         data = data.encode(encoding or "utf-8")
     payload = f"{content_type}|{encoding}|".encode() + data
     limiter = limiter_for(task.app)
+    copy_id = uuid.uuid4().hex if waiting is None else f"{waiting}~{uuid.uuid4().hex}"
+    if waiting is not None:
+        countdown += TURN_SLACK
+    arguments = ["park", copy_id, int(countdown * 1e6), payload, int(MOVER_SEEN * 1e6)]
+    if waiting is not None:
+        arguments += [waiting, int((LEAD - TURN_LEAD) * 1e6)]
     try:
-        due = limiter.run_script(
-            "park",
-            park_keys(task.app, limiter),
-            [
-                "park",
-                uuid.uuid4().hex,
-                int(countdown * 1_000_000),
-                payload,
-                int(MOVER_SEEN * 1_000_000),
-            ],
-        )
+        due = limiter.run_script("park", park_keys(task.app, limiter), arguments)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "parking a deferred task") from exc
     return int(due) >= 0
+
+
+def call_in(app: Any, limiter: Limiter, token: str) -> bool:
+    """The slot the waiting call ``token`` waited for was handed to it: make its parked
+    copy due now and wake a mover to publish it. False if no copy of it is parked
+    unclaimed (it waits in a worker or in the broker, or a mover is publishing it).
+
+    Raises:
+        LimiterUnavailable, LimiterMisconfigured: Redis failed (the copy comes when it
+            was due, and confirms its turn then).
+    """
+    try:
+        return bool(limiter.run_script("park", park_keys(app, limiter), ["call", token]))
+    except REDIS_ERRORS as exc:
+        raise limiter.translate(exc, "calling in a parked task") from exc
+
+
+def call_in_handed(app: Any, limiter: Limiter, tokens: tuple[str, ...]) -> None:
+    """:func:`call_in` the copies of the calls ``tokens`` a release handed a slot to
+    (``Limiter.release_handing``); ``app`` None: nothing is parked. A copy that cannot be
+    called in comes when it was due, and takes its turn then."""
+    for token in tokens if app is not None else ():
+        try:
+            call_in(app, limiter, token)
+        except Exception as exc:
+            logger.debug("ratelimit: could not call in a parked copy: %s", exc)
 
 
 class Claims:
@@ -225,7 +260,8 @@ class Mover(threading.Thread):
             try:
                 pause = move_once(self.app, self.claims)
             except Exception as exc:  # Redis down, the broker down: keep trying
-                pause = ERROR_PAUSE
+                pause = 0.0
+                self.stopping.wait(ERROR_PAUSE)
                 if time.monotonic() - last_logged >= interval:
                     last_logged = time.monotonic()
                     logger.warning(
@@ -235,7 +271,15 @@ class Mover(threading.Thread):
                         ERROR_PAUSE,
                     )
             if pause:
-                self.stopping.wait(pause)
+                self.nap(pause)
+
+    def nap(self, pause: float) -> None:
+        """Wait ``pause`` seconds, or less if a copy is called in (``call_in``)."""
+        limiter = limiter_for(self.app)
+        try:
+            limiter.pop_waiting(park_keys(self.app, limiter)[5], pause, "a mover's nap")
+        except Exception:  # Redis away: the next look says so
+            self.stopping.wait(pause)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -275,4 +319,17 @@ def _stop_mover(**_: Any) -> None:
 signals.worker_ready.connect(_start_mover, weak=False)
 signals.worker_shutdown.connect(_stop_mover, weak=False)
 
-__all__ = ["LEAD", "LEASE", "Mover", "limited", "move_once", "park", "park_calls", "park_keys"]
+__all__ = [
+    "LEAD",
+    "LEASE",
+    "TURN_LEAD",
+    "TURN_SLACK",
+    "Mover",
+    "call_in",
+    "call_in_handed",
+    "limited",
+    "move_once",
+    "park",
+    "park_calls",
+    "park_keys",
+]

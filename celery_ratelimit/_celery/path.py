@@ -37,6 +37,7 @@ from .check import (
     HANDOFF_WAIT,
     MAX_IN_PROCESS_WAIT,
     MAX_RESTAMPS,
+    PARKED_WAIT,
     RETRIES_HEADER,
     TOKEN_HEADER,
     Check,
@@ -159,7 +160,11 @@ class Path:
         if not check.handy:
             time.sleep(self.wait_for)
             return State.DECIDE
-        if token is not None and check.handed(token, self.wait_for + HANDOFF_WAIT):
+        # a copy in line comes from the park (called in: its turn is there already) or
+        # the broker (0.1 s before its expected turn); a turn moments away is awaited here
+        here = self.waits > 0
+        timeout = self.wait_for + (HANDOFF_WAIT if here or check.parking is None else PARKED_WAIT)
+        if token is not None and check.handed(token, timeout):
             return State.START
         return State.DECIDE
 

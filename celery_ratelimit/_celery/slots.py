@@ -24,6 +24,7 @@ from celery import signals
 
 from .._engine.limiter import Limiter
 from .beside import attach
+from .park import call_in_handed
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -45,6 +46,9 @@ class Held:
     renewed: float = field(default_factory=time.monotonic)
     #: time.monotonic() by which the first renewal is due (a handed turn's short lease)
     due: float | None = None
+    #: the Celery app whose park may hold copies of waiting calls to call in (see
+    #: ``park.call_in``); None when nothing is parked
+    app: Any = None
 
     def renew(self) -> None:
         if not self.limiter.renew(self.token, self.keys, self.limits, lease=self.lease):
@@ -88,7 +92,7 @@ def release(request: Any) -> None:
     with _lock:
         _held.pop(held.token, None)
     try:
-        held.limiter.release(held.token, held.keys, held.limits)
+        handed = held.limiter.release_handing(held.token, held.keys, held.limits)
     except Exception as exc:  # the slot comes back when its lease runs out
         logger.warning(
             "ratelimit: could not release a concurrency slot (%s); it comes back when "
@@ -96,6 +100,8 @@ def release(request: Any) -> None:
             exc,
             held.lease,
         )
+        return
+    call_in_handed(held.app, held.limiter, handed)
 
 
 def _start_renewer() -> None:

@@ -25,6 +25,7 @@ from celery import signals
 from .._engine.client import redacted
 from .._engine.exceptions import LimiterMisconfigured, LimiterUnavailable
 from .._engine.failures import never_reached
+from . import gauges  # noqa: F401  (its reader starts at worker_ready)
 from .install import rule_warnings
 from .park import limited
 from .settings import limiter_for, redis_url, redis_url_source, setting

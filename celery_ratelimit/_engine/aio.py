@@ -155,6 +155,10 @@ class AsyncLimiter(LimiterBase):
         call = self._pause_call(key, seconds)
         return 0.0 if call is None else float(await self._script_reply(call)) / 1_000_000
 
+    async def resume(self, key: str) -> float:
+        """As :meth:`Limiter.resume`: end ``key``'s pause now."""
+        return float(await self._script_reply(self._resume_call(key))) / 1_000_000
+
     async def override(
         self, key: str, rate: str | Rate | None, *, ttl: float | None = None
     ) -> None:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from .decision import TOKEN_BYTES, Decision, parse_token, token_of
 from .exceptions import InvalidLimit, RateLimitError
 from .failures import translate
-from .headers import Budget, Observation
+from .headers import Observation, budget_for
 from .keys import escape_key, fixed_key
 from .layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
 from .limit import Concurrency, Limit, LimitSpec, check_weight, describe, to_limits
@@ -61,16 +61,6 @@ def _per_limit(cost: int | Sequence[int], count: int, name: str) -> tuple[int, .
     if len(cost) != count:
         raise InvalidLimit(f"got {len(cost)} values of {name} for {count} limits")
     return tuple(cost)
-
-
-def budget_for(limit: Any, seen: Observation) -> Budget | None:
-    """Which budget of ``seen`` a limit takes: a limit counted in calls (its cost the
-    default 1) the budget in requests; a limit that weighs its calls (another cost, or a
-    cost function) the budget in tokens. A concurrency limit takes none."""
-    if isinstance(limit, Concurrency):
-        return None
-    weighs = callable(limit.cost) or limit.cost != 1
-    return seen.tokens if weighs else seen.requests
 
 
 class LimiterBase:
@@ -301,6 +291,12 @@ class LimiterBase:
         if seconds <= 0:
             return None
         return ScriptCall("pause", keys, [int(min(seconds, MAX_HORIZON) * 1_000_000)])
+
+    def _resume_call(self, key: str) -> ScriptCall:
+        """The call that ends ``key``'s pause now."""
+        if not isinstance(key, str) or not key:
+            raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
+        return ScriptCall("resume", [settings_key(self.prefix, escape_key(key))], [])
 
     def _override_call(
         self, key: str, rate: str | Rate | None, ttl: float | None, *, escaped: bool = False

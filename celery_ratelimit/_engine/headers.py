@@ -324,4 +324,15 @@ def _smallest(budgets: list[Budget | None]) -> Budget | None:
     return min(found, key=lambda b: (b.remaining, -b.reset))
 
 
-__all__ = ["Budget", "Observation", "duration", "header_map", "parse"]
+def budget_for(limit: Any, seen: Observation) -> Budget | None:
+    """Which budget of ``seen`` a limit takes: a limit counted in calls (its cost the
+    default 1) the budget in requests; a limit that weighs its calls (another cost, or a
+    cost function) the budget in tokens. A concurrency limit (its ``kind`` ``"conc"``)
+    takes none."""
+    if getattr(limit, "kind", None) == "conc":
+        return None
+    weighs = callable(limit.cost) or limit.cost != 1
+    return seen.tokens if weighs else seen.requests
+
+
+__all__ = ["Budget", "Observation", "budget_for", "duration", "header_map", "parse"]

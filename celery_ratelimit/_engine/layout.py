@@ -171,6 +171,19 @@ def effective(value: bytes | str, window_us: int, now: int) -> int:
     return eff + (now - cut) // window_us * step
 
 
+#: The indexes of the keys paused and of those with a rate override (:func:`index_key`).
+PAUSED_INDEX = "paused"
+OVERRIDES_INDEX = "overrides"
+
+
+def index_key(prefix: str, which: str) -> str:
+    """A sorted set of settings hashes (a key's, :func:`settings_key`) scored by when
+    their pause or override ends (µs since the epoch, the writer's clock; ``+inf``: no
+    end), so that they are counted without a scan; pruned by their readers. ``which``:
+    :data:`PAUSED_INDEX` or :data:`OVERRIDES_INDEX`."""
+    return f"{prefix}:{{index}}:{which}"
+
+
 def settings_key(prefix: str, key: str) -> str:
     """The settings hash (a pause, a rate override) of the (already escaped) ``key``."""
     return f"{key_base(prefix, key)}:settings"

@@ -7,15 +7,14 @@ from typing import Any
 
 import redis
 
-from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
+from .base import DEFAULT_PREFIX, ScriptCall
 from .client import HeldConnection, client_from_url
+from .controls import KeyControls
 from .decision import Decision, parse_token
 from .exceptions import InvalidLimit, LimiterUnavailable
 from .failures import check_versions, not_redis_error
-from .headers import Observation, parse
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
-from .rate import Rate
 from .scripts import DEFAULT_HORIZON, FULL, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
@@ -27,7 +26,7 @@ Client = Any  # redis.Redis or redis.cluster.RedisCluster
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
-class Limiter(LimiterBase):
+class Limiter(KeyControls):
     """Shared rate limits kept in Redis, decided atomically by one Lua script per call.
 
     Args:
@@ -212,7 +211,19 @@ class Limiter(LimiterBase):
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote.
         """
-        self._script_reply(self._release_call(token, key, limits, cost))
+        self.release_handing(token, key, limits, cost)
+
+    def release_handing(
+        self,
+        token: str,
+        key: str | Sequence[str],
+        limits: LimitSpec,
+        cost: int | Sequence[int] = 1,
+    ) -> tuple[str, ...]:
+        """:meth:`release`, returning the tokens of the waiting calls it handed a
+        concurrency slot to (a copy of theirs waiting elsewhere is to be called in)."""
+        reply = self._script_reply(self._release_call(token, key, limits, cost))
+        return tuple(t.decode() if isinstance(t, bytes) else str(t) for t in reply[6:])  # hex
 
     def settle(
         self,
@@ -265,15 +276,25 @@ class Limiter(LimiterBase):
         if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
             raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
         name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
-        # blocked within the client's socket timeout, which would take it for a hung Redis
+        popped = self.pop_waiting(name, timeout, "waiting for a handed turn")
+        return None if popped is None else int(popped) / 1_000_000
+
+    def pop_waiting(self, name: str, timeout: float, doing: str) -> Any:
+        """The first item of the list ``name``, waited for up to ``timeout`` seconds (at
+        most 1, and half the client's socket timeout, which would take the wait for a
+        hung Redis); None if none came.
+
+        Raises:
+            LimiterUnavailable, LimiterMisconfigured: Redis failed while ``doing``.
+        """
         pool = getattr(self.client, "connection_pool", None)
         socket_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 2.0
         timeout = min(max(timeout, 0.01), 1.0, socket_timeout / 2)
         try:
             popped = self.client.blpop([name], timeout=timeout)
         except REDIS_ERRORS as exc:
-            raise self.translate(exc, "waiting for a handed turn") from exc
-        return None if popped is None else int(popped[1]) / 1_000_000
+            raise self.translate(exc, doing) from exc
+        return None if popped is None else popped[1]
 
     def renew(
         self,
@@ -292,102 +313,6 @@ class Limiter(LimiterBase):
         """
         call = self._renew_call(token, key, limits, lease)
         return call is None or bool(self._script_reply(call) == 1)
-
-    def pause(self, key: str, seconds: float | str | Any) -> float:
-        """Grant nothing on ``key`` (every limit and concurrency limit of it) for
-        ``seconds`` on every worker: an upstream answered 429. A number of seconds, a
-        ``Retry-After`` value (seconds or an HTTP-date) or a datetime. Calls are then
-        answered denied, or placed past the pause, with ``retry_after`` = the time left.
-        A longer pause already in place stays. Returns the seconds the key is paused for.
-
-        Raises:
-            InvalidLimit: a bad key or ``seconds``.
-            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
-        """
-        call = self._pause_call(key, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
-
-    def pause_keys(self, escaped: Sequence[str], seconds: float) -> float:
-        """:meth:`pause` for keys already escaped (one script call for all of them)."""
-        call = self._pause_keys_call(escaped, seconds)
-        return 0.0 if call is None else float(self._script_reply(call)) / 1_000_000
-
-    def override(self, key: str, rate: str | Rate | None, *, ttl: float | None = None) -> None:
-        """Use ``rate`` (``"50/s"``) for ``key`` from now on, on every worker, in place of
-        the rate its calls give: for the key's rate limit of the same window, or for its
-        only one whatever its window. ``ttl``: seconds until the override lapses (None:
-        until removed). ``override(key, None)`` removes it. Read by the same script call
-        that decides; what was counted stays counted. A call whose cost is above the
-        new limit counts as the whole limit (it runs alone in its window).
-
-        Raises:
-            InvalidRate, InvalidLimit: a bad rate, key or ``ttl``, naming it.
-            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
-        """
-        self._script_reply(self._override_call(key, rate, ttl))
-
-    def override_keys(
-        self, escaped: Sequence[str], rate: str | Rate | None, *, ttl: float | None = None
-    ) -> None:
-        """:meth:`override` for keys already escaped (as ``status`` lists them, a
-        templated key's hash tag marked: see ``keys``), one script call each."""
-        for key in escaped:
-            self._script_reply(self._override_call(key, rate, ttl, escaped=True))
-
-    def observe(
-        self,
-        key: str | Sequence[str],
-        headers: Any,
-        limits: LimitSpec,
-        *,
-        since: float | None = None,
-    ) -> bool:
-        """Bring ``key``'s shared budget in line with what the upstream's response
-        ``headers`` say (one script call; the decisions read it with no extra round trip).
-
-        ``Retry-After`` pauses the key as :meth:`pause` does. When the upstream says r
-        units remain until its reset, no worker is granted more than r before then; a
-        quota it states (``X-RateLimit-Limit``, the IETF policy, ``x-ratelimit-limit-*``)
-        lowers the limit to it while it is said again, for an hour past its reset (a quota
-        of another window, as the IETF policy's ``w`` tells, changes only the budget). A
-        limit counted in calls (cost 1) takes the budget in requests, a limit that weighs
-        its calls (another cost, a cost function) the budget in tokens
-        (``x-ratelimit-*-tokens``). Headers it does not understand change nothing (one
-        DEBUG line).
-
-        Args:
-            key, limits: as given to :meth:`acquire` for the call that got this answer.
-            headers: a dict, a list of (name, value) pairs, or a requests / httpx /
-                urllib response's headers.
-            since: the call's ``Decision.at``: what was granted after it, before the
-                reset, is taken from the budget too (the upstream had not seen those
-                calls yet). None: only what is granted from now on.
-
-        Returns:
-            True when the headers said something the limiter wrote.
-
-        Raises:
-            TypeError: ``headers`` is not headers.
-            InvalidLimit: a bad key or limits.
-            LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
-        """
-        return self.observed(key, parse(headers), limits, since=since)
-
-    def observed(
-        self,
-        key: str | Sequence[str],
-        seen: Observation,
-        limits: LimitSpec,
-        *,
-        since: float | None = None,
-    ) -> bool:
-        """:meth:`observe` for headers already read (the Celery layer's
-        ``UpstreamRateLimited`` is an observation of a ``Retry-After``)."""
-        call = self._observe_call(key, seen, limits, since)
-        if call is None:
-            return False
-        self._script_reply(call)
-        return True
 
     def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """Forget everything counted for ``key`` under ``limits``, or under every window

@@ -37,6 +37,7 @@ NAMES = (
     "acquire_fair",
     "renew",
     "pause",
+    "resume",
     "override",
     "observe",
     "park",

@@ -1,5 +1,5 @@
-"""``celery -A proj ratelimit status|reset|set|unset|explain``: the command line inside
-Celery's.
+"""``celery -A proj ratelimit status|reset|set|unset|pause|resume|explain|web``: the
+command line inside Celery's.
 
 Registered through the ``celery.commands`` entry point; Celery loads the app given by
 ``-A`` and passes it in the click context.
@@ -42,7 +42,7 @@ def _where(command: Callable[..., None]) -> Callable[..., None]:
 @click.group(name="ratelimit")
 def ratelimit() -> None:
     """Shared rate limits kept in Redis: status, reset KEY, set KEY RATE, unset KEY,
-    explain TASK."""
+    pause KEY SECONDS, resume KEY, explain TASK, web."""
 
 
 @ratelimit.command()
@@ -72,15 +72,23 @@ def status(
     _run(lambda: run_status(_app(ctx), url, prefix, match, sort=sort, limit=limit, as_json=as_json))
 
 
-@ratelimit.command()
-@click.argument("key")
-@_where
-@click.pass_context
-def reset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> None:
-    """Forget everything counted for KEY (all its windows), e.g. yt:quota:key1."""
-    from .cli import run_reset
+def _key_command(name: str, runner: str, help_text: str) -> None:
+    """A command of one argument, KEY, printing what ``cli.<runner>`` returns."""
 
-    _run(lambda: run_reset(_app(ctx), url, prefix, key))
+    @ratelimit.command(name=name, help=help_text)
+    @click.argument("key")
+    @_where
+    @click.pass_context
+    def command(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> None:
+        from . import cli
+
+        _run(lambda: getattr(cli, runner)(_app(ctx), url, prefix, key))
+
+
+_key_command(
+    "reset", "run_reset", "Forget everything counted for KEY (all its windows), e.g. yt:quota:key1."
+)
+_key_command("resume", "run_resume", "End KEY's pause now: its calls are granted again.")
 
 
 @ratelimit.command(name="set")
@@ -107,6 +115,32 @@ def unset(ctx: click.Context, key: str, url: str | None, prefix: str | None) -> 
     from .cli import run_set
 
     _run(lambda: run_set(_app(ctx), url, prefix, key, None, None))
+
+
+@ratelimit.command()
+@click.argument("key")
+@click.argument("seconds")
+@_where
+@click.pass_context
+def pause(ctx: click.Context, key: str, seconds: str, url: str | None, prefix: str | None) -> None:
+    """Grant nothing on KEY for SECONDS (or until a Retry-After HTTP-date), on every worker."""
+    from .cli import run_pause
+
+    _run(lambda: run_pause(_app(ctx), url, prefix, key, seconds))
+
+
+@ratelimit.command()
+@_where
+@click.option("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+@click.option("--port", type=int, default=8808, help="port (default 8808)")
+@click.option("--actions", is_flag=True, help="allow pause, resume, set, unset, reset (token)")
+@click.option("--token", help="the page API's token (default: $CELERY_RATELIMIT_WEB_TOKEN)")
+@click.pass_context
+def web(ctx: click.Context, /, **options: Any) -> None:
+    """Serve the operator's live page of every key (127.0.0.1:8808 by default)."""
+    from .web import serve
+
+    ctx.exit(serve(_app(ctx), **options))
 
 
 @ratelimit.command()

@@ -1,10 +1,10 @@
-"""Command line: ``celery-ratelimit demo|status|reset|set|unset|explain``.
+"""Command line: ``celery-ratelimit demo|status|reset|set|unset|pause|resume|explain|web``.
 
 Also ``python -m celery_ratelimit ...``, and as a Celery subcommand
 (``celery -A proj ratelimit status``, see ``celery_command.py``). ``status``,
-``reset``, ``set`` and ``unset`` take the app (``-A proj``, for its Redis URL, key
-prefix and declared limits) or ``--url``/``--prefix``; ``explain`` needs the app (its
-tasks' limits) and takes ``--url``/``--prefix`` too.
+``reset``, ``set``, ``unset``, ``pause``, ``resume`` and ``web`` take the app (``-A proj``,
+for its Redis URL, key prefix and declared limits) or ``--url``/``--prefix``; ``explain``
+needs the app (its tasks' limits) and takes ``--url``/``--prefix`` too.
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     unset = commands.add_parser("unset", help="remove KEY's runtime override")
     where(unset)
     unset.add_argument("key", help="the key given to set")
+    pause = commands.add_parser("pause", help="grant nothing on KEY for SECONDS, on every worker")
+    where(pause)
+    pause.add_argument("key", help="the key as given to Limit(key=...), e.g. api:t1")
+    pause.add_argument("seconds", help="how long: seconds, or a Retry-After HTTP-date")
+    resume = commands.add_parser("resume", help="end KEY's pause now")
+    where(resume)
+    resume.add_argument("key", help="the key paused")
+    web = commands.add_parser("web", help="serve the operator's live page of every key")
+    where(web)
+    web_options(web.add_argument)
     explain = commands.add_parser(
         "explain", help="which limits apply to a call, their Redis keys, a decision (peek)"
     )
@@ -96,6 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("args", nargs="*", help="positional arguments (JSON, else text)")
     explain.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
     return parser
+
+
+def web_options(option: Any) -> None:
+    """The ``web`` command's own options (``option``: argparse's ``add_argument``)."""
+    option("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    option("--port", type=int, default=8808, help="port (default 8808)")
+    option(
+        "--actions",
+        action="store_true",
+        help="allow pause, resume, set, unset and reset from the page (behind a token)",
+    )
+    option(
+        "--token",
+        help="the token the page's API asks for (default: $CELERY_RATELIMIT_WEB_TOKEN; "
+        "with --actions and neither, one is made and printed)",
+    )
 
 
 def load_app(spec: str) -> Any:
@@ -146,6 +172,18 @@ def url_named(app: Any, url: str | None) -> Iterator[None]:
         raise _named(exc, app, url) from exc
 
 
+@contextlib.contextmanager
+def opened(app: Any, url: str | None, prefix: str | None) -> Iterator[Limiter]:
+    """A command's limiter (:func:`limiter_from`), closed after; a Redis failure names
+    where its URL came from."""
+    limiter = limiter_from(app, url, prefix)
+    try:
+        with url_named(app, url):
+            yield limiter
+    finally:
+        limiter.client.close()
+
+
 def _named(exc: RateLimitError, app: Any, url: str | None) -> RateLimitError:
     """``exc`` naming where the Redis URL came from: ``--url`` when given (the
     library's messages name ``ratelimit_redis_url``, the app's setting, not used then)."""
@@ -191,25 +229,20 @@ def run_status(
 
             document = {
                 "prefix": limiter.prefix,
-                "url": _safe_url(limiter),
+                "url": safe_url(limiter),
                 "keys": [row.as_json() for row in rows],
                 "settings": [row.as_json() for row in settings],
             }
             return [json.dumps(document, indent=1)]
-        lines = report.format_status(rows, limiter.prefix, _safe_url(limiter), app=app is not None)
+        lines = report.format_status(rows, limiter.prefix, safe_url(limiter), app=app is not None)
         return lines + report.format_settings(settings)
     finally:
         limiter.client.close()
 
 
 def run_reset(app: Any, url: str | None, prefix: str | None, key: str) -> list[str]:
-
-    limiter = limiter_from(app, url, prefix)
-    try:
-        with url_named(app, url):
-            deleted = limiter.reset(key)
-    finally:
-        limiter.client.close()
+    with opened(app, url, prefix) as limiter:
+        deleted = limiter.reset(key)
     if not deleted:
         return [f"nothing to reset: no key {key!r} under prefix {limiter.prefix!r}"]
     return [f"deleted {name}" for name in deleted]
@@ -219,21 +252,45 @@ def run_set(
     app: Any, url: str | None, prefix: str | None, key: str, rate: str | None, ttl: float | None
 ) -> list[str]:
     """``set KEY RATE [--ttl]`` (``rate`` None: ``unset KEY``)."""
-    limiter = limiter_from(app, url, prefix)
-    try:
-        with url_named(app, url):
-            escaped = [escape_key(key)]
-            # read just before it goes, to say whether there was one
-            before = override_of(limiter, escaped) if rate is None else None
-            limiter.override_keys(escaped, rate, ttl=ttl)
-    finally:
-        limiter.client.close()
+    with opened(app, url, prefix) as limiter:
+        escaped = [escape_key(key)]
+        # read just before it goes, to say whether there was one
+        before = override_of(limiter, escaped) if rate is None else None
+        limiter.override_keys(escaped, rate, ttl=ttl)
     if rate is None and before is None:
         return [f"{key}: there was no override to remove; its calls' own rates apply"]
     if rate is None:
         return [f"{key}: override {before} removed; its calls' own rates apply again"]
     lasts = "until unset" if ttl is None else f"for {ttl:g}s"
     return [f"{key}: {Rate.parse(rate)} on every worker from its next decision, {lasts}"]
+
+
+def run_pause(app: Any, url: str | None, prefix: str | None, key: str, seconds: str) -> list[str]:
+    """``pause KEY SECONDS``: seconds (``"30"``, ``"1.5"``) or a ``Retry-After`` value.
+
+    Raises:
+        InvalidLimit: a bad key, or no time to pause for.
+    """
+    from .._engine.exceptions import InvalidLimit
+
+    try:
+        value: float | str = float(seconds)
+    except ValueError:
+        value = seconds  # an HTTP-date, else the limiter names it
+    with opened(app, url, prefix) as limiter:
+        left = limiter.pause(key, value)
+    if not left:
+        raise InvalidLimit(f"no time to pause {key!r} for: {seconds!r}")
+    return [f"{key}: paused on every worker, nothing is granted on it for {left:.1f}s"]
+
+
+def run_resume(app: Any, url: str | None, prefix: str | None, key: str) -> list[str]:
+    """``resume KEY``: end its pause now."""
+    with opened(app, url, prefix) as limiter:
+        left = limiter.resume(key)
+    if not left:
+        return [f"{key}: was not paused"]
+    return [f"{key}: resumed ({left:.1f}s of its pause were left); calls placed past it keep them"]
 
 
 def override_of(limiter: Limiter, escaped: Sequence[str]) -> Rate | None:
@@ -295,7 +352,7 @@ class CallWouldFail(Exception):
         self.lines = lines
 
 
-def _safe_url(limiter: Limiter) -> str:
+def safe_url(limiter: Limiter) -> str:
     """The client's address without a password."""
     kwargs = getattr(getattr(limiter.client, "connection_pool", None), "connection_kwargs", {})
     if "path" in kwargs:
@@ -331,6 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate = args.rate if args.command == "set" else None
             ttl = args.ttl if args.command == "set" else None
             lines = run_set(app, args.url, args.prefix, args.key, rate, ttl)
+        elif args.command == "pause":
+            lines = run_pause(app, args.url, args.prefix, args.key, args.seconds)
+        elif args.command == "resume":
+            lines = run_resume(app, args.url, args.prefix, args.key)
+        elif args.command == "web":
+            from .web import serve
+
+            options = ("url", "prefix", "host", "port", "actions", "token")
+            return serve(app, **{name: getattr(args, name) for name in options})
         elif args.command == "explain":
             lines = run_explain(app, args.task, args.args, args.kwargs, args.url, args.prefix)
         else:

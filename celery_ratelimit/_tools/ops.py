@@ -16,37 +16,36 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from .._celery.settings import redis_url, setting
 from .._engine.fair import waiting_by_value
 from .._engine.keys import escape_key, escape_literal, fixed_key
 from .._engine.layout import (
     COUNTER_FIELDS,
-    EFF_FIELD,
     ENTRY_FLOOR,
-    PAUSE_FIELD,
     PENDING,
-    RATE_FIELD,
-    SEEN_FIELD,
     STARTS,
     WINDOW_META,
     KeyName,
-    effective,
     log_entries,
     pace_due,
     parse_key,
-    parse_override,
-    parse_seen,
     prefix_glob,
-    settings_logical_key,
 )
 from .._engine.limit import AnyLimit, Concurrency, Limit, to_limits
 from .._engine.limiter import REDIS_ERRORS, Limiter
 from .._engine.rate import Rate
+from .keysettings import KeySettings, Seen, key_settings
+from .keysettings import text as _text
+
+#: Leases of a concurrency key's holders read for its row (the soonest to end).
+LEASES_SHOWN = 10
 
 #: What an escaped argument value can look like inside a key (see keys.escape_part).
 _VALUE = r"[A-Za-z0-9_.@%#-]+"
@@ -146,6 +145,8 @@ class KeyStatus:
     ``waiting``: on a fair limit's key, how many calls of each fair-key value wait.
     ``drains_in``: seconds until the last reservation's slot (the log), or the last
     waiting call's expected turn (a concurrency key): when the backlog has drained.
+    ``leases``: on a concurrency key, seconds left on the leases of the bodies holding
+    a slot, the soonest first (at most :data:`LEASES_SHOWN`).
     """
 
     name: KeyName
@@ -162,6 +163,7 @@ class KeyStatus:
     pace_in: float | None = None
     waiting: dict[str, int] = field(default_factory=dict)
     drains_in: float | None = None
+    leases: list[float] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The row as ``status --json`` prints it: numbers in seconds, None unknown."""
@@ -189,6 +191,7 @@ class KeyStatus:
             "drains_in_s": self.drains_in,
             "override": str(self.override) if self.override else None,
             "waiting": self.waiting,
+            "leases_s": self.leases,
         }
 
 
@@ -241,6 +244,10 @@ def concurrency_status(client: Any, name: KeyName, now: int) -> KeyStatus:
     last = client.zrange(key + PENDING, -1, -1, withscores=True)
     if last:
         status.drains_in = max(int(last[0][1]) - now, 0) / 1_000_000
+    held = client.zrangebyscore(
+        key, ENTRY_FLOOR, "+inf", start=0, num=LEASES_SHOWN, withscores=True
+    )  # past the meta member (the average hold), which scores below the floor
+    status.leases = [max(int(ends) - now, 0) / 1_000_000 for _, ends in held]
     return status
 
 
@@ -288,106 +295,6 @@ def key_status(client: Any, name: KeyName, now: int, override: Rate | None = Non
     row = read[name.algorithm](client, name, now)
     row.override = override
     return row
-
-
-@dataclass(frozen=True)
-class KeySettings:
-    """What an operator set on a logical key: a pause (seconds left, 0 if none) and a
-    rate override (``Limiter.override``) with the seconds it has left (None: no end)."""
-
-    key: str
-    paused_for: float = 0.0
-    override: Rate | None = None
-    override_for: float | None = None
-    #: what the upstream said of each limit of the key (``Limiter.observe``)
-    seen: tuple[Seen, ...] = ()
-    #: (algorithm, window_us, effective limit) of each adapting limit cut since it was
-    #: last back to its declared rate (``Limit(adapt=True)``)
-    effective: tuple[tuple[str, int, int], ...] = ()
-
-    def as_json(self) -> dict[str, Any]:
-        """The settings as ``status --json`` prints them: seconds, rates as text."""
-        return {
-            "key": self.key,
-            "paused_for_s": self.paused_for,
-            "override": str(self.override) if self.override else None,
-            "override_for_s": self.override_for,
-            "upstream": [
-                {
-                    "algorithm": seen.algorithm,
-                    "window_s": seen.window_us / 1_000_000,
-                    "remaining": seen.remaining,
-                    "reset_in_s": seen.reset_in,
-                    "quota": seen.quota,
-                }
-                for seen in self.seen
-            ],
-            "effective": [
-                {"algorithm": algorithm, "window_s": window / 1_000_000, "limit": most}
-                for algorithm, window, most in self.effective
-            ],
-        }
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What an upstream said of one limit (its algorithm and window) of a key: units
-    ``remaining`` for ``reset_in`` more seconds (0 and 0.0: its reset has passed), and the
-    ``quota`` it stated, in force (0: none)."""
-
-    algorithm: str
-    window_us: int
-    remaining: int
-    reset_in: float
-    quota: int
-
-
-def key_settings(limiter: Limiter, match: str | None = None) -> list[KeySettings]:
-    """The keys (matching the glob ``match``) that are paused or have a rate override."""
-    client = limiter.client
-    found = []
-    try:
-        now = server_now_us(client)
-        for raw in client.scan_iter(f"{prefix_glob(limiter.prefix)[:-1]}*:settings"):
-            name = _text(raw)
-            key = settings_logical_key(limiter.prefix, name)
-            if key is None or (match is not None and not fnmatchcase(key, match)):
-                continue  # not one of ours, or not asked for
-            fields = {_text(f): v for f, v in client.hgetall(name).items()}
-            paused_for = max(float(fields.get(PAUSE_FIELD) or 0) - now, 0) / 1_000_000
-            override = parse_override(fields.get(RATE_FIELD), now)
-            seen = tuple(
-                said
-                for field, value in sorted(fields.items())
-                if field.startswith(SEEN_FIELD) and (said := _seen(field, value, now))
-            )
-            rates = tuple(
-                (algorithm, int(window), effective(value, int(window), now))
-                for field, value in sorted(fields.items())
-                if field.startswith(EFF_FIELD)
-                for algorithm, _, window in [field[len(EFF_FIELD) :].partition(":")]
-            )
-            if not paused_for and override is None and not seen and not rates:
-                continue
-            row = KeySettings(key, paused_for, seen=seen, effective=rates)
-            if override is not None:
-                limit, window_us, ends = override
-                left = (ends - now) / 1_000_000 if ends else None
-                row = KeySettings(key, paused_for, Rate(limit, window_us), left, seen, rates)
-            found.append(row)
-    except REDIS_ERRORS as exc:
-        raise limiter.translate(exc, "a status read") from exc
-    return sorted(found, key=lambda row: row.key)
-
-
-def _seen(field: str, value: bytes | str, now: int) -> Seen | None:
-    """What the settings hash ``field`` of a limit holds at ``now`` (None: nothing)."""
-    said = parse_seen(value, now)
-    if said is None:
-        return None
-    algorithm, _, window = field[len(SEEN_FIELD) :].partition(":")
-    remaining, reset, quota = said
-    return Seen(algorithm, int(window), remaining, max(reset - now, 0) / 1_000_000, quota)
 
 
 def counter_status(client: Any, name: KeyName, now: int) -> KeyStatus:
@@ -440,54 +347,77 @@ def status(
         LimiterUnavailable / LimiterMisconfigured: Redis failed (see ``failures``).
     """
     client = limiter.client
-    result: list[KeyStatus] = []
     overrides = {row.key: row.override for row in key_settings(limiter, match) if row.override}
     try:
         now = server_now_us(client)
-        names = sorted(
-            (
-                name
-                for k in client.scan_iter(prefix_glob(limiter.prefix))
-                if (name := parse_key(limiter.prefix, _text(k))) is not None
-                and (match is None or fnmatchcase(name.key, match))
-            ),
-            key=lambda n: (n.key, n.window_us, n.algorithm),
-        )
-        rated = Counter(n.key for n in names if n.algorithm != "conc")
-        for name in names:
-            override = override_in_force(overrides.get(name.key), name, rated[name.key] == 1)
-            row = key_status(client, name, now, override)
-            if row.used == 0 and row.reserved == 0:
-                continue  # everything in it has left the window: the key is idle
-            ttl = client.pttl(name.redis_key)
-            row.ttl = ttl / 1000 if ttl and ttl > 0 else None
-            matching = [k for k in known if k.matches(name)]
-            if matching:
-                row.limit = matching[0].limit
-                row.sources = sorted({k.source for k in matching})
-                decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
-                row.remaining = decision.remaining
-                row.next_free = decision.retry_after
-                row.pace_in = pace_in(client, name, row.limit, now, row.override)
-            result.append(row)
+        names = [
+            name
+            for k in client.scan_iter(prefix_glob(limiter.prefix))
+            if (name := parse_key(limiter.prefix, _text(k))) is not None
+            and (match is None or fnmatchcase(name.key, match))
+        ]
+        return read_rows(limiter, names, known, now, overrides, guard=guard)
     except REDIS_ERRORS as exc:
         raise limiter.translate(exc, "a status read") from exc
+
+
+def read_rows(
+    limiter: Limiter,
+    names: Sequence[KeyName],
+    known: Sequence[KnownLimit],
+    now: int,
+    overrides: Mapping[str, Rate | None],
+    *,
+    guard: float = 0.0,
+) -> list[KeyStatus]:
+    """The rows of the limits ``names`` that hold anything at ``now`` (µs of Redis
+    time), sorted by key: ``status``'s reading, for the keys a scan found (all of
+    them for ``status``, a page of them for the operator's page). ``overrides``: each
+    logical key's rate override in force.
+
+    Raises:
+        redis errors, as they come (the caller translates them).
+    """
+    client = limiter.client
+    result = []
+    names = sorted(names, key=lambda n: (n.key, n.window_us, n.algorithm))
+    rated = Counter(n.key for n in names if n.algorithm != "conc")
+    for name in names:
+        override = override_in_force(overrides.get(name.key), name, rated[name.key] == 1)
+        try:
+            row = key_status(client, name, now, override)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            continue  # a name of our shape holding another type: not the limiter's
+        if row.used == 0 and row.reserved == 0:
+            continue  # everything in it has left the window: the key is idle
+        ttl = client.pttl(name.redis_key)
+        row.ttl = ttl / 1000 if ttl and ttl > 0 else None
+        matching = [k for k in known if k.matches(name)]
+        if matching:
+            row.limit = matching[0].limit
+            row.sources = sorted({k.source for k in matching})
+            decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
+            row.remaining = decision.remaining
+            row.next_free = decision.retry_after
+            row.pace_in = pace_in(client, name, row.limit, now, row.override)
+        result.append(row)
     return result
 
 
-def _text(key: bytes | str) -> str:
-    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-
-
 __all__ = [
+    "LEASES_SHOWN",
     "KeyName",
     "KeySettings",
     "KeyStatus",
     "KnownLimit",
+    "Seen",
     "key_settings",
     "key_status",
     "known_limits",
     "pace_in",
+    "read_rows",
     "sort_rows",
     "status",
 ]

@@ -35,10 +35,14 @@ local FIRST_GUESS = 100000
 local KEEP_MS = 86400000
 local HANDOFF = ':go'
 
+-- A call's token in hex, as its Decision gives it.
+local function conc_hex(token)
+  return (token:gsub('.', function(ch) return string.format('%02x', string.byte(ch)) end))
+end
+
 -- The handoff list of the call `token` under cc.
 local function conc_go(cc, token)
-  local hex = token:gsub('.', function(ch) return string.format('%02x', string.byte(ch)) end)
-  return cc.h .. HANDOFF .. ':' .. hex
+  return cc.h .. HANDOFF .. ':' .. conc_hex(token)
 end
 
 -- The expected turn of the waiter `rank` places back in line under cc.
@@ -119,11 +123,12 @@ end
 
 -- A slot was freed: the first waiter in line takes it now if it may be handed a turn and
 -- a slot is free, on a lease until its expected turn + GRACE; its handoff list says so.
+-- Returns its token in hex (its copy, wherever it waits, is called in: release_body.lua).
 local function conc_hand(cc, now)
   local first = redis.call('ZRANGEBYSCORE', cc.w, now - GRACE, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if #first == 0 or not redis.call('ZSCORE', cc.h .. HANDOFF, first[1])
     or redis.call('ZCARD', cc.s) >= cc.most then
-    return
+    return nil
   end
   local token, ends = first[1], math.max(now, tonumber(first[2])) + GRACE
   redis.call('ZADD', cc.h, ends, token)
@@ -134,6 +139,7 @@ local function conc_hand(cc, now)
   redis.call('DEL', go)
   redis.call('RPUSH', go, string.format('%.0f', ends))
   redis.call('PEXPIRE', go, math.ceil((ends - now) / 1000) + 1000)
+  return conc_hex(token)
 end
 
 -- The call `token` was handed a turn it has not taken yet, still held: it takes it (true).
@@ -144,8 +150,9 @@ end
 
 -- The call's body has ended (or will not run): its slot or turn is free again, handed
 -- over (when `hand`) to the first waiter, and the time it held the slot teaches the
--- average.
+-- average. Returns the token of the waiter handed the slot, if any.
 local function conc_release(cc, token, now, hand)
+  local handed = nil
   redis.call('ZREM', cc.w, token)
   redis.call('ZREM', cc.h .. HANDOFF, token)
   redis.call('DEL', conc_go(cc, token))
@@ -157,9 +164,10 @@ local function conc_release(cc, token, now, hand)
     redis.call('ZADD', cc.h, math.max(math.floor(avg), 1), '')
     redis.call('ZREM', cc.h, token)
     redis.call('ZREM', cc.s, token)
-    if hand then conc_hand(cc, now) end
+    if hand then handed = conc_hand(cc, now) end
   end
   conc_keep(cc)
+  return handed
 end
 
 -- Renew the lease of the call's slot; false if it no longer holds one.

@@ -9,7 +9,7 @@ local function release(c, gates)
   -- a body that ends hands its slot to the first waiter (lib/concurrency.lua), not while
   -- its key is paused
   local hand = read_settings(c) <= now
-  local ks, cals = {}, {}
+  local ks, cals, handed = {}, {}, {}
   if log then
     for i, spec in ipairs(c.logs) do
       local k = log_open(spec, c.token, now, c.guard, true)
@@ -25,7 +25,13 @@ local function release(c, gates)
       cals[j] = gates.cal_open(spec, c.token, now, true, true)
       gates.cal_release(cals[j], now)
     end
-    for _, cc in ipairs(c.concs) do gates.conc_release(cc, c.token, now, hand) end
+    for _, cc in ipairs(c.concs) do
+      handed[#handed + 1] = gates.conc_release(cc, c.token, now, hand)
+    end
   end
-  return reply(4, now, 0, 0, now, ks, gates, cals, c.concs)
+  local r = reply(4, now, 0, 0, now, ks, gates, cals, c.concs)
+  -- after the reply's six: the tokens of the waiters handed a slot (their copies are
+  -- called in by the caller: the park is another key's)
+  for _, token in ipairs(handed) do r[#r + 1] = token end
+  return r
 end

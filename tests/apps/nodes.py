@@ -352,37 +352,40 @@ BODY = float(os.environ.get("CRL_BODY", "0.3"))
 SLOTS = Concurrency(2, key="slots")
 
 
+def hold_slot(task: Any, i: int, body: float = BODY) -> int:
+    """A body of ``body`` seconds: its start and end recorded."""
+    record(task, i=i)
+    time.sleep(body)
+    finish(task)
+    return i
+
+
 @app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
 def slotted(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(BODY)
-    finish(self)
-    return i
+    return hold_slot(self, i)
+
+
+@app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
+def slotted_for(self: Any, i: int, body: float) -> int:
+    """A body of ``body`` seconds holding a slot of SLOTS."""
+    return hold_slot(self, i, body)
 
 
 @ratelimit(SLOTS)
 @app.task(bind=True)
 def slotted_by_decorator(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(BODY)
-    finish(self)
-    return i
+    return hold_slot(self, i)
 
 
 @app.task(bind=True)
 def slotted_by_rules(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(BODY)
-    finish(self)
-    return i
+    return hold_slot(self, i)
 
 
 @app.task(base=RateLimitedTask, ratelimit=SLOTS, bind=True)
 def slotted_failing(self: Any, i: int) -> int:
     """Every exit path a body has: success, an exception, a self.retry()."""
-    record(self, i=i)
-    time.sleep(BODY)
-    finish(self)
+    hold_slot(self, i)
     if i % 3 == 1:
         raise ValueError("a failing body")
     if i % 3 == 2 and self.request.retries == 0:
