@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from celery_ratelimit import AsyncLimiter, Limit, Limiter, Rate, RateLimitedTask
 from celery_ratelimit._celery.plan import plan_for
 from celery_ratelimit._engine.keys import escape_key, hash_tag
-from celery_ratelimit._engine.layout import key_base, settings_of
+from celery_ratelimit._engine.layout import (
+    OVERRIDES_INDEX,
+    PAUSED_INDEX,
+    index_key,
+    key_base,
+    settings_of,
+)
 from celery_ratelimit._tools.cli import run_set
 from celery_ratelimit._tools.explain import explain, format_explanation
 from celery_ratelimit._tools.ops import key_settings, known_limits, status
@@ -98,7 +104,9 @@ def test_every_limiter_method_given_the_rendered_key_touches_the_tasks_keys(
         settings_key = settings_of(keys[0])
         assert keys[0].startswith(key_base(prefix, rendered) + ":")
         assert f"{{{hash_tag(rendered)}}}" in keys[0]
-        allowed = set(keys) | {k + ":r" for k in keys} | {settings_key}
+        # and the prefix's own indexes of paused and overridden keys (for the metrics)
+        indexes = {index_key(prefix, which) for which in (PAUSED_INDEX, OVERRIDES_INDEX)}
+        allowed = set(keys) | {k + ":r" for k in keys} | {settings_key} | indexes
 
         decision = limiter.acquire(rendered, RATE)
         assert decision.allowed and decision.token

@@ -3,6 +3,7 @@ real worker (in this process, so its registry can be read) on a private Redis.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import subprocess
@@ -331,3 +332,20 @@ def test_park_depth_paused_keys_and_overrides_are_counted_through_every_door(
     assert cli(["unset", "api:t5", *door]) == 0
     limiter.override("api:t1", None)
     assert read_gauges(app) == {"parked": 1, "paused_keys": 2, "overrides": 0}
+    # the asyncio door writes the same indexes
+    asyncio.run(_async_door(server.url))
+    assert read_gauges(app) == {"parked": 1, "paused_keys": 2, "overrides": 1}
+
+
+async def _async_door(url: str) -> None:
+    from celery_ratelimit import AsyncLimiter
+
+    limiter = AsyncLimiter.from_url(url, prefix="metrics")
+    try:
+        await limiter.pause("api:t6", 30)
+        await limiter.override("api:t6", "3/s", ttl=30)
+        await limiter.resume("api:t1")
+        await limiter.observe("api:t7", {"Retry-After": "30"}, Limit("10/s"))
+        await limiter.resume("api:t7")
+    finally:
+        await getattr(limiter.client, "aclose", limiter.client.close)()

@@ -6,6 +6,8 @@ The same scripts, keys and :class:`Decision` (``base`` works the calls out): a p
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,11 +20,20 @@ from .decision import Decision
 from .exceptions import InvalidRedisURL
 from .failures import check_versions
 from .headers import parse
-from .layout import key_glob, keys_among, stored_with
+from .layout import (
+    OVERRIDES_INDEX,
+    PAUSED_INDEX,
+    key_glob,
+    keys_among,
+    settings_of,
+    stored_with,
+)
 from .limit import LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
 from .scripts import DEFAULT_HORIZON, FULL, shape
+
+logger = logging.getLogger("celery_ratelimit")
 
 
 class AsyncLimiter(LimiterBase):
@@ -153,17 +164,27 @@ class AsyncLimiter(LimiterBase):
     async def pause(self, key: str, seconds: float | str | Any) -> float:
         """As :meth:`Limiter.pause`: grant nothing on ``key`` for ``seconds``."""
         call = self._pause_call(key, seconds)
-        return 0.0 if call is None else float(await self._script_reply(call)) / 1_000_000
+        if call is None:
+            return 0.0
+        paused = float(await self._script_reply(call)) / 1_000_000
+        await self._index(PAUSED_INDEX, call.keys, paused)
+        return paused
 
     async def resume(self, key: str) -> float:
         """As :meth:`Limiter.resume`: end ``key``'s pause now."""
-        return float(await self._script_reply(self._resume_call(key))) / 1_000_000
+        call = self._resume_call(key)
+        left = float(await self._script_reply(call)) / 1_000_000
+        await self._index(PAUSED_INDEX, call.keys, None)
+        return left
 
     async def override(
         self, key: str, rate: str | Rate | None, *, ttl: float | None = None
     ) -> None:
         """As :meth:`Limiter.override`: use ``rate`` for ``key`` on every worker."""
-        await self._script_reply(self._override_call(key, rate, ttl))
+        call = self._override_call(key, rate, ttl)
+        await self._script_reply(call)
+        seconds = None if rate is None else math.inf if ttl is None else float(ttl)
+        await self._index(OVERRIDES_INDEX, call.keys, seconds)
 
     async def observe(
         self,
@@ -175,11 +196,23 @@ class AsyncLimiter(LimiterBase):
     ) -> bool:
         """As :meth:`Limiter.observe`: what the upstream's ``headers`` say, for every
         worker."""
-        call = self._observe_call(key, parse(headers), limits, since)
+        seen = parse(headers)
+        call = self._observe_call(key, seen, limits, since)
         if call is None:
             return False
         await self._script_reply(call)
+        if seen.retry_after:
+            names = sorted({settings_of(name) for name in self.keys_for(key, limits)})
+            await self._index(PAUSED_INDEX, names, seen.retry_after)
         return True
+
+    async def _index(self, which: str, names: Sequence[str], seconds: float | None) -> None:
+        """:meth:`Limiter._index <.controls.KeyControls._index>`: the metrics' count."""
+        if names:
+            try:
+                await self._script_reply(self._index_call(which, names, seconds))
+            except Exception as exc:  # the metrics' count only
+                logger.debug("ratelimit: could not write the index %s: %s", which, exc)
 
     async def reset(self, key: str, limits: LimitSpec | None = None) -> list[str]:
         """As :meth:`Limiter.reset`: forget what was counted for ``key``."""

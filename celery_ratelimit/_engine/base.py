@@ -4,6 +4,7 @@ Decision its reply means. :class:`Limiter` (redis-py) and :class:`AsyncLimiter`
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -14,7 +15,15 @@ from .exceptions import InvalidLimit, RateLimitError
 from .failures import translate
 from .headers import Observation, budget_for
 from .keys import escape_key, fixed_key
-from .layout import FAIR_STATE, FAIR_TAGS, redis_key, script_keys, settings_key, settings_of
+from .layout import (
+    FAIR_STATE,
+    FAIR_TAGS,
+    index_key,
+    redis_key,
+    script_keys,
+    settings_key,
+    settings_of,
+)
 from .limit import Concurrency, Limit, LimitSpec, check_weight, describe, to_limits
 from .rate import Rate
 from .scripts import MAX_HORIZON, NAMES, Shape, is_counter, shape, source
@@ -297,6 +306,16 @@ class LimiterBase:
         if not isinstance(key, str) or not key:
             raise InvalidLimit(f"key must be a non-empty string, got {key!r}")
         return ScriptCall("resume", [settings_key(self.prefix, escape_key(key))], [])
+
+    def _index_call(self, which: str, names: Sequence[str], seconds: float | None) -> ScriptCall:
+        """The call that notes in the index ``which`` (``layout.index_key``) that the
+        settings hashes ``names`` are paused or overridden for ``seconds`` (``math.inf``:
+        until removed), or (None) no more."""
+        if seconds is None:
+            ends = ""
+        else:
+            ends = "+inf" if seconds == math.inf else str(max(int(seconds * 1e6), 1))
+        return ScriptCall("index", [index_key(self.prefix, which)], [ends, *names])
 
     def _override_call(
         self, key: str, rate: str | Rate | None, ttl: float | None, *, escaped: bool = False

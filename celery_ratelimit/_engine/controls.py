@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,23 +32,11 @@ class KeyControls(LimiterBase):
     def _index(self, which: str, names: Sequence[str], seconds: float | None) -> None:
         """Note in the index ``which`` that the settings hashes ``names`` are paused or
         overridden for ``seconds`` (``math.inf``: until removed), or (None) no more."""
-        if not names:
-            return
-        index = index_key(self.prefix, which)
-        try:
-            if seconds is None:
-                self.client.zrem(index, *names)
-                return
-            # kept as long as its last entry (for good once an entry has no end)
-            ttl = self.client.pttl(index)
-            until = math.inf if seconds == math.inf else (time.time() + seconds) * 1e6
-            self.client.zadd(index, dict.fromkeys(names, until))
-            if until == math.inf:
-                self.client.persist(index)
-            elif ttl != -1 and ttl < seconds * 1000 + 1000:
-                self.client.pexpire(index, math.ceil(seconds * 1000) + 1000)
-        except Exception as exc:  # the metrics' count only
-            logger.debug("ratelimit: could not write the index %s: %s", index, exc)
+        if names:
+            try:
+                self._script_reply(self._index_call(which, names, seconds))
+            except Exception as exc:  # the metrics' count only
+                logger.debug("ratelimit: could not write the index %s: %s", which, exc)
 
     def indexed(self, which: str) -> int:
         """How many keys the index ``which`` (``layout.PAUSED_INDEX``,
@@ -59,7 +46,8 @@ class KeyControls(LimiterBase):
             redis.RedisError: as the client raised it.
         """
         index = index_key(self.prefix, which)
-        self.client.zremrangebyscore(index, "-inf", time.time() * 1e6)
+        seconds, micros = self.client.time()
+        self.client.zremrangebyscore(index, "-inf", seconds * 1_000_000 + micros)
         return int(self.client.zcard(index))
 
     def pause(self, key: str, seconds: float | str | Any) -> float:

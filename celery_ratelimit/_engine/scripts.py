@@ -41,6 +41,7 @@ NAMES = (
     "override",
     "observe",
     "park",
+    "index",
 )
 _INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)
 #: The reply of the plain ``acquire.lua`` to a call it leaves to ``acquire_full.lua``
