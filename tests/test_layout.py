@@ -49,7 +49,7 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     assert lua_constant("acquire_full", "TOKEN_LEN") == TOKEN_LEN
     members = ", ".join(f"'{m}'" for m in META_MEMBERS)
     assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire_full")
-    assert f"redis.call('ZMSCORE', k.key, {members})" in source("acquire")
+    assert f"call('ZMSCORE', key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
     assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
@@ -91,7 +91,7 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
     settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
     assert settings in source("acquire_full")
-    lean = f"redis.call('HMGET', KEYS[2 * n + i], '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
+    lean = f"call('HMGET', hash, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
     assert lean in source("acquire")
     assert f"'{UP_FIELD}', 1)" in source("observe")
     assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source("acquire_full")
