@@ -16,7 +16,6 @@ figures to ``benchmarks/results/all.json`` and, with matplotlib installed, draws
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -37,10 +36,9 @@ from benchmarks import (
     docs_tables,
 )
 from benchmarks.docs_tables import markdown
+from benchmarks.output import RESULTS, save
 from celery_ratelimit._engine.rate import Rate
 from celery_ratelimit._tools.embedded import RedisServer
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> str:
@@ -350,9 +348,7 @@ def main() -> None:
         finally:
             sections[name] = round(time.monotonic() - begun, 1)
             # what is measured so far, kept should a later section fail
-            RESULTS.mkdir(exist_ok=True)
-            partial = {**results, "section_seconds": sections}
-            (RESULTS / "partial.json").write_text(json.dumps(partial, indent=1) + "\n")
+            save("partial.json", {**results, "section_seconds": sections})
 
     server = RedisServer()
     try:
@@ -397,8 +393,7 @@ def main() -> None:
     print(f"{'figure':{width}}  {'measured':>9}  {'target':>8}")
     for name, value, target, verdict in table:
         print(f"{name:{width}}  {value:>9}  {target:>8}  {verdict}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "all.json").write_text(json.dumps(results, indent=1) + "\n")
+    save("all.json", results)
     shown = [(n, v, f"{t} ({verdict})" if verdict else t) for n, v, t, verdict in table]
     docs_tables.write(
         "all rows",

@@ -26,6 +26,7 @@ from benchmarks.bench_limiter import floor_script
 from celery_ratelimit import (
     Concurrency,
     Limit,
+    Rate,
     RateLimitedTask,
     UpstreamRateLimited,
     observe,
@@ -356,8 +357,9 @@ def throttled_gcra(self: Any) -> None:
 
         from throttled import Throttled, rate_limiter, store
 
+        rate = Rate.parse(PACED_RATE)
         quota = rate_limiter.per_duration(
-            datetime.timedelta(seconds=2), limit=20, burst=PACED_BURST
+            datetime.timedelta(microseconds=rate.window_us), limit=rate.limit, burst=PACED_BURST
         )
         _gcra = Throttled(
             key="gcra", using="gcra", quota=quota, store=store.RedisStore(server=REDIS)

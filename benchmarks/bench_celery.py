@@ -30,17 +30,16 @@ import socket
 import statistics
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import kombu.pools
 
+from benchmarks.output import save
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
 from celery_ratelimit._tools.embedded import RedisServer, WorkerNodes
 from tests.measure import max_in_window
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/"
 #: Interleaved rounds of the overhead scenario (8), each of ``overhead_tasks`` per task.
 OVERHEAD_ROUNDS = 7
@@ -339,8 +338,7 @@ def main() -> None:
     if args.broker == "rabbitmq" and not rabbitmq_reachable():
         raise SystemExit("no RabbitMQ on 127.0.0.1:5672")
     result = run(args.broker, args.rate, args.backlog, args.overhead_tasks)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"celery_{args.broker}.json").write_text(json.dumps(result, indent=2))
+    save(f"celery_{args.broker}.json", result, indent=2)
     print(json.dumps(result, indent=2))
 
 

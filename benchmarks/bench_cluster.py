@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import time
@@ -24,9 +23,8 @@ from typing import Any
 
 from redis.crc import key_slot
 
-from benchmarks import docs_tables
-from benchmarks.bench_celery import RESULTS
 from benchmarks.docs_tables import markdown
+from benchmarks.output import publish
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.keys import render
 from celery_ratelimit._tools.embedded import RedisServer, start_cluster
@@ -147,11 +145,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     results = run(args.clients, args.seconds)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cluster.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = table(results)
-    print("\n".join(lines))
-    docs_tables.write("scaling out", lines)
+    publish("cluster.json", results, table(results), "scaling out")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_celery import Bench
 from benchmarks.docs_tables import markdown
+from benchmarks.output import save
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
 from celery_ratelimit._engine.scripts import NAMES, source
@@ -228,8 +229,7 @@ def main() -> None:
         print(json.dumps(run_slots(), indent=2))
         return
     results = run_all()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "concurrency.json").write_text(json.dumps(results, indent=2))
+    save("concurrency.json", results, indent=2)
     print("\n".join(table(results)))
 
 

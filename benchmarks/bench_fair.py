@@ -24,9 +24,9 @@ import math
 import time
 from typing import Any
 
-from benchmarks import docs_tables
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_celery import Bench
 from benchmarks.docs_tables import markdown
+from benchmarks.output import publish
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
 from tests.measure import max_in_window, server_us
@@ -188,12 +188,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller backlogs")
     args = parser.parse_args()
     results = run(args.quick)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "fair.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    print("\n".join(table(results)))
-    if not args.quick:
-        docs_tables.write("fair shares", table(results))
+    publish("fair.json", results, table(results), None if args.quick else "fair shares")
 
 
 if __name__ == "__main__":

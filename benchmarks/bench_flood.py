@@ -30,8 +30,9 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_celery import Bench
 from benchmarks.bench_pools import busy_core
+from benchmarks.output import save
 from celery_ratelimit._engine.rate import Rate
 from tests.measure import max_in_window
 
@@ -192,8 +193,7 @@ def main() -> None:
         if not args.pool or pool in args.pool
         for busy in {"idle": (False,), "busy": (True,), "both": (False, True)}[args.busy]
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / args.out).write_text(json.dumps(results, indent=1) + "\n")
+    save(args.out, results)
     for r in results:
         print(describe(r))
 

@@ -16,23 +16,21 @@ Prints a table and writes ``benchmarks/results/limiter.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import redis
 
+from benchmarks.output import save
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.client import HeldConnection
 from celery_ratelimit._tools.embedded import RedisServer
 
-RESULTS = Path(__file__).resolve().parent / "results" / "limiter.json"
 #: Physical floors on this server, in scripts that do nothing else (no arguments read,
 #: no reply built). NOOP: what any script-based limiter pays for EVALSHA itself. FLOOR3:
 #: the least any exact decision needs: the clock, one read of the key, one write.
@@ -409,9 +407,7 @@ def main(argv: list[str]) -> int:
     print("\n(d) throughput            decisions/s   (one redis-server, one key per client)")
     for name, row in results["d_throughput"].items():
         print(f"    {name:24} {row['decisions_per_s']:8}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {save('limiter.json', results, indent=2)}")
     return 0
 
 

@@ -22,14 +22,14 @@ in every other round), as the median of the rounds' ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
-from benchmarks import docs_tables
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_app import PACED_BURST, PACED_RATE
+from benchmarks.bench_celery import Bench
 from benchmarks.docs_tables import markdown
+from benchmarks.output import publish
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._celery.park import park_calls
 from celery_ratelimit._engine.rate import Rate
@@ -37,12 +37,14 @@ from celery_ratelimit._tools.embedded import RedisServer
 from tests.measure import max_in_window
 
 TASKS = 60
-INTERVAL_US = 100_000
-WINDOW_US = 2_000_000
+PACED = Rate.parse(PACED_RATE)
+#: The window of the tasks' limit, and the interval pacing keeps between starts.
+WINDOW_US = PACED.window_us
+INTERVAL_US = WINDOW_US // PACED.limit
 SCENARIOS = (
-    ("paced", "ours, Limit('20/2s', burst=2)"),
-    ("windowed", "ours, Limit('20/2s'), no pace"),
-    ("throttled_gcra", "throttled-py GCRA, burst 2, self.retry"),
+    ("paced", f"ours, Limit({PACED_RATE!r}, burst={PACED_BURST})"),
+    ("windowed", f"ours, Limit({PACED_RATE!r}), no pace"),
+    ("throttled_gcra", f"throttled-py GCRA, burst {PACED_BURST}, self.retry"),
 )
 
 
@@ -139,7 +141,7 @@ def table(results: dict[str, Any]) -> list[str]:
             )
         )
     header = (
-        f"{TASKS} tasks at 20/2s, 3 nodes",
+        f"{TASKS} tasks at {PACED_RATE}, 3 nodes",
         "ran",
         "most starts in 100 ms (target 3)",
         "most in 2 s (limit 20)",
@@ -163,11 +165,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds of server time")
     args = parser.parse_args()
     results = run(args.quick)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pacing.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = table(results)
-    docs_tables.write("row 13", lines)
-    print("\n".join(lines))
+    publish("pacing.json", results, table(results), "row 13")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the green pools with a busy core, where late replies are most common.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_celery import Bench
+from benchmarks.output import save
 from celery_ratelimit._engine.rate import Rate
 
 POOLS = (("prefork", 2), ("threads", 30), ("solo", 1), ("gevent", 50), ("eventlet", 50))
@@ -99,8 +99,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     results = run(args.runs)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pools.json").write_text(json.dumps(results, indent=1) + "\n")
+    save("pools.json", results)
     for r in results:
         anchor = "anchor, guard 0: " if r["task"] == "unchecked" else ""
         print(

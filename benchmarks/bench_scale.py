@@ -14,14 +14,14 @@ drains the largest backlog with parking off, every copy an ETA message in a node
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import threading
 from typing import Any
 
 from benchmarks import docs_tables
-from benchmarks.bench_celery import RESULTS, Bench, rabbitmq_reachable
+from benchmarks.bench_celery import Bench, rabbitmq_reachable
 from benchmarks.docs_tables import markdown
+from benchmarks.output import save
 from celery_ratelimit._engine.rate import Rate
 
 RATE = "50/s"
@@ -157,8 +157,7 @@ def main() -> None:
     parser.add_argument("--rate", default=RATE)
     args = parser.parse_args()
     results = run_all(args.rate)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    save("scale.json", results)
     docs_tables.write("row 10", table(results))
     for r in results:
         print(

@@ -16,7 +16,6 @@ its time at 100.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import redis
 
-from benchmarks.bench_celery import RESULTS
+from benchmarks.output import save
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.base import ALLOWED, STARTS_AT
 from celery_ratelimit._engine.scripts import MAX_HORIZON, shape
@@ -226,8 +225,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.parse_args()
     results = run()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "script_scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    save("script_scale.json", results)
     for label, by_size in results.items():
         paths = list(next(iter(by_size.values())))
         print(f"{label}: server us per call, limit per 30 s ({PENDING} reservations pending)")

@@ -24,13 +24,13 @@ The adapt way runs a backlog of 60 s at the upstream's limit (``--quick``: 20 s,
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS, Bench
+from benchmarks.bench_celery import Bench
 from benchmarks.docs_tables import markdown
+from benchmarks.output import save
 from celery_ratelimit._engine.rate import Rate
 from tests.upstream import Upstream
 
@@ -115,9 +115,8 @@ def run_all(
                 rows.append(drain(bench, upstream, mode, path, count))
         finally:
             bench.close()
-        RESULTS.mkdir(exist_ok=True)
         arrivals = [(a.at, a.family, a.status) for a in upstream.arrivals]
-        (RESULTS / "upstream_arrivals.json").write_text(json.dumps(arrivals))
+        save("upstream_arrivals.json", arrivals, indent=None)
     return rows
 
 
@@ -161,8 +160,7 @@ def main() -> None:
     tasks = args.tasks or (200 if args.quick else 300)
     adapt_tasks = args.adapt_tasks or args.limit * (20 if args.quick else 60)
     rows = run_all(args.limit, tasks, adapt_tasks, ways)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "upstream.json").write_text(json.dumps(rows, indent=2))
+    save("upstream.json", rows, indent=2)
     print("\n".join(table(rows)))
 
 

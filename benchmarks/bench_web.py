@@ -24,7 +24,7 @@ import time
 import urllib.request
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS
+from benchmarks.output import save
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._tools.embedded import RedisServer
 from tests.web_server import WebServer
@@ -111,8 +111,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     result = run(args.keys, args.seconds)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "web.json").write_text(json.dumps(result, indent=1))
+    save("web.json", result)
     print(json.dumps(result, indent=1))
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_celery import RESULTS
+from benchmarks.output import RESULTS
 
 
 def plot(scale: list[dict[str, Any]], script_scale: dict[str, Any], path: Path) -> bool:

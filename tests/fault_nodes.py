@@ -29,7 +29,7 @@ import redis
 from celery import Celery
 
 from tests.measure import max_in_window
-from tests.nodes import wait_for_records
+from tests.nodes import stopped_on_failure, wait_for_records
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.faults"
@@ -185,12 +185,9 @@ class Fleet:
             node = Node(name, env, self.logdir / f"{name}.log", wrapper=wrapper)
             self.nodes.append(node.start())
             added.append(node)
-        try:
+        with stopped_on_failure(self.stop):
             for node in added:
                 node.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
         return added
 
     def stop(self) -> None:

@@ -64,6 +64,17 @@ def require_rabbitmq() -> None:
     pytest.skip(f"{reason} (set CRL_REQUIRE_RABBITMQ=1 to fail instead of skipping)")
 
 
+@contextmanager
+def stopped_on_failure(stop: Callable[[], None]) -> Iterator[None]:
+    """Run the block (a wait for nodes just started); if it fails, or is interrupted,
+    ``stop`` them all first: no worker outlives a start that did not finish."""
+    try:
+        yield
+    except BaseException:
+        stop()
+        raise
+
+
 @dataclass
 class Nodes:
     """N worker nodes sharing one broker and one limiter Redis.
@@ -137,11 +148,8 @@ class Nodes:
                 )  # fmt: skip
             self.procs.append(proc)
             self.logs.append(log)
-        try:
+        with stopped_on_failure(self.stop):
             self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _wait_ready(self) -> None:

@@ -98,12 +98,22 @@ def budget(runs: list[dict[str, object]]) -> int:
     return max_grants(runs, WINDOW_US)
 
 
-def limiter_up(servers: tuple[RedisServer, RedisServer]) -> RedisServer:
+@pytest.fixture
+def limiter_redis(servers: tuple[RedisServer, RedisServer]) -> RedisServer:
     """The limiter's Redis, started again if an earlier test left it down."""
     _broker, limiter = servers
     if limiter.proc is None:
         limiter.start()
     return limiter
+
+
+def allowed_ran_and_raised_failed(
+    fleet: Fleet, allow: list[str], fail: list[str], timeout: float
+) -> None:
+    """Within ``timeout``: every ``allow`` task ran (unlimited), every ``raise`` one failed
+    (LimiterUnavailable)."""
+    assert wait_until(lambda: {r["id"] for r in fleet.runs()} >= set(allow), timeout)
+    assert wait_until(lambda: failed(fleet, fail) == set(fail), timeout)
 
 
 def ran_once(
@@ -125,8 +135,7 @@ def test_redis_down_at_worker_start_each_policy_then_back(
     defer = send(fleet, "defer", 20, 0)
     allow = send(fleet, "allow", 10, 0)
     fail = send(fleet, "raise", 4, 0)
-    assert wait_until(lambda: {r["id"] for r in fleet.runs()} >= set(allow), 15)
-    assert wait_until(lambda: failed(fleet, fail) == set(fail), 15)
+    allowed_ran_and_raised_failed(fleet, allow, fail, 15)
     time.sleep(1.0)
     runs = fleet.runs()
     ran = {r["id"] for r in runs}
@@ -162,18 +171,15 @@ def test_redis_down_at_worker_start_each_policy_then_back(
     )
 
 
-def test_redis_down_mid_run_each_policy(
-    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
-) -> None:
-    limiter = limiter_up(servers)
+def test_redis_down_mid_run_each_policy(fleet: Fleet, limiter_redis: RedisServer) -> None:
+    limiter = limiter_redis
     never_before = len(fleet.grep("nothing answered"))
     defer = send(fleet, "defer", 30, 100)
     time.sleep(1.2)
     limiter.stop()
     allow = send(fleet, "allow", 6, 100)
     fail = send(fleet, "raise", 4, 100)
-    assert wait_until(lambda: failed(fleet, fail) == set(fail), 15)
-    assert wait_until(lambda: {r["id"] for r in fleet.runs()} >= set(allow), 15)
+    allowed_ran_and_raised_failed(fleet, allow, fail, 15)
     down_runs = len([r for r in fleet.runs() if r["id"] in defer])
     limiter.start()
     runs, counts = ran_once(fleet, defer, 25)
@@ -194,9 +200,9 @@ def test_redis_down_mid_run_each_policy(
 
 
 def test_a_hung_redis_costs_each_task_a_bounded_time(
-    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+    fleet: Fleet, limiter_redis: RedisServer
 ) -> None:
-    limiter = limiter_up(servers)
+    limiter = limiter_redis
     assert limiter.proc is not None
     pid = limiter.proc.pid
     warnings_before = len(fleet.grep("Redis unavailable"))
@@ -207,8 +213,7 @@ def test_a_hung_redis_costs_each_task_a_bounded_time(
         allow = send(fleet, "allow", 2, 200)
         fail = send(fleet, "raise", 2, 200)
         defer = send(fleet, "defer", 2, 200)
-        assert wait_until(lambda: failed(fleet, fail) == set(fail), 2 * HUNG_BOUND)
-        assert wait_until(lambda: {r["id"] for r in fleet.runs()} >= set(allow), 2 * HUNG_BOUND)
+        allowed_ran_and_raised_failed(fleet, allow, fail, 2 * HUNG_BOUND)
         allow_delay = max(r["local"] for r in fleet.runs() if r["id"] in allow) - sent_at
         hung_for = time.time() - sent_at
     finally:
@@ -225,9 +230,9 @@ def test_a_hung_redis_costs_each_task_a_bounded_time(
 
 
 def test_restart_and_script_flush_mid_stream_lose_nothing(
-    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+    fleet: Fleet, limiter_redis: RedisServer
 ) -> None:
-    limiter = limiter_up(servers)
+    limiter = limiter_redis
     failures_before = len(fleet.grep("raised unexpected"))
     ids = send(fleet, "defer", 40, 300)
     time.sleep(1.0)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from celery import signals
@@ -72,81 +73,61 @@ class Metrics:
     """The Prometheus collectors, created once per process in the default registry."""
 
     def __init__(self, prometheus: Any) -> None:
-        counter, histogram, gauge = (
-            prometheus.Counter,
-            prometheus.Histogram,
-            prometheus.Gauge,
-        )
-        self.allowed = counter(
-            "celery_ratelimit_allowed", "Calls the shared limit let run.", ["limit"]
-        )
-        self.denied = counter(
-            "celery_ratelimit_denied",
-            "Calls denied by the shared limit (reserved or not).",
-            ["limit"],
-        )
-        self.deferred = counter(
-            "celery_ratelimit_deferred", "Tasks published again for later.", ["limit"]
-        )
+        # each name is celery_ratelimit_ and the name given (the module's docstring lists
+        # them whole); most collectors count per limit
+        named = {"namespace": "celery_ratelimit"}
+        counter = partial(prometheus.Counter, labelnames=["limit"], **named)
+        gauge = partial(prometheus.Gauge, labelnames=["limit"], **named)
+        self.allowed = counter("allowed", "Calls the shared limit let run.")
+        self.denied = counter("denied", "Calls denied by the shared limit (reserved or not).")
+        self.deferred = counter("deferred", "Tasks published again for later.")
         self.late_starts = counter(
-            "celery_ratelimit_late_starts",
-            "Grants read too late to start on, and checked again (restamped).",
-            ["limit"],
+            "late_starts", "Grants read too late to start on, and checked again (restamped)."
         )
         self.paused = counter(
-            "celery_ratelimit_paused",
-            "Pauses of a limit's keys: a task body raised UpstreamRateLimited.",
-            ["limit"],
+            "paused", "Pauses of a limit's keys: a task body raised UpstreamRateLimited."
         )
-        self.redis_errors = counter(
-            "celery_ratelimit_redis_errors", "Decisions that failed on Redis.", ["limit"]
-        )
-        self.latency = histogram(
-            "celery_ratelimit_decision_seconds",
+        self.redis_errors = counter("redis_errors", "Decisions that failed on Redis.")
+        self.latency = prometheus.Histogram(
+            "decision_seconds",
             "Latency of one limiter decision (one Redis round trip).",
             buckets=LATENCY_BUCKETS,
+            **named,
         )
         self.reservations = gauge(
-            "celery_ratelimit_reservations",
+            "reservations",
             "Reserved slots not yet used (sum over all workers).",
-            ["limit"],
             multiprocess_mode="livesum",
         )
         self.drains_at = gauge(
-            "celery_ratelimit_backlog_drains_at_seconds",
+            "backlog_drains_at_seconds",
             "When the last slot reserved under a limit is due (Redis time, seconds since "
             "the epoch): its backlog has drained then. Minus time(): the drain time.",
-            ["limit"],
             multiprocess_mode="max",
         )
-        self.declared_rate = gauge(
-            "celery_ratelimit_declared_rate",
-            "The declared rate of an adapting limit, units a second.",
-            ["limit"],
-            multiprocess_mode="livemostrecent",
+        # what was read last, by any node: the rates in force, and (with no label) what
+        # Redis holds, read by each node every few seconds (see ``gauges``)
+        latest = partial(gauge, multiprocess_mode="livemostrecent")
+        self.declared_rate = latest(
+            "declared_rate", "The declared rate of an adapting limit, units a second."
         )
-        self.effective_rate = gauge(
-            "celery_ratelimit_effective_rate",
+        self.effective_rate = latest(
+            "effective_rate",
             "The rate in force of an adapting limit (Limit(adapt=True)) on every worker: "
             "the declared rate, or less after an upstream's 429s; units a second.",
-            ["limit"],
-            multiprocess_mode="livemostrecent",
         )
-        # what Redis holds, read by each node every few seconds (see ``gauges``)
-        self.parked = gauge(
-            "celery_ratelimit_parked",
+        held = partial(latest, labelnames=())
+        self.parked = held(
+            "parked",
             "Deferred copies waiting in the park (the limiter's Redis), all brokers' nodes.",
-            multiprocess_mode="livemostrecent",
         )
-        self.paused_keys = gauge(
-            "celery_ratelimit_paused_keys",
+        self.paused_keys = held(
+            "paused_keys",
             "Keys paused now (an upstream's 429, Limiter.pause, the CLI or the page).",
-            multiprocess_mode="livemostrecent",
         )
-        self.overrides = gauge(
-            "celery_ratelimit_overrides",
+        self.overrides = held(
+            "overrides",
             "Keys with a rate override in force (the CLI, the page, Limiter.override).",
-            multiprocess_mode="livemostrecent",
         )
         self._rates_read: dict[str, float] = {}  # label -> time.monotonic() of the read
         self._drains_at: dict[str, float] = {}  # label -> the latest slot reserved here
@@ -222,8 +203,7 @@ class Metrics:
 
     def deferral(self, limits: Iterable[AnyLimit], denied_by: AnyLimit | None) -> None:
         """Record one deferral, against the limit that denied it (else every limit)."""
-        for limit in (denied_by,) if denied_by is not None else limits:
-            self.deferred.labels(limit.label).inc()
+        _count(self.deferred, (denied_by,) if denied_by is not None else limits)
 
     def released(self, limits: Iterable[AnyLimit]) -> None:
         """A reservation given back unused (its task expires first, or gives up)."""
@@ -231,16 +211,19 @@ class Metrics:
             self.reservations.labels(limit.label).dec()
 
     def pause(self, limits: Iterable[AnyLimit]) -> None:
-        for limit in limits:
-            self.paused.labels(limit.label).inc()
+        _count(self.paused, limits)
 
     def late_start(self, limits: Iterable[AnyLimit]) -> None:
-        for limit in limits:
-            self.late_starts.labels(limit.label).inc()
+        _count(self.late_starts, limits)
 
     def redis_error(self, limits: Iterable[AnyLimit]) -> None:
-        for limit in limits:
-            self.redis_errors.labels(limit.label).inc()
+        _count(self.redis_errors, limits)
+
+
+def _count(counter: Any, limits: Iterable[AnyLimit]) -> None:
+    """One more on the per-limit ``counter`` for each of ``limits``."""
+    for limit in limits:
+        counter.labels(limit.label).inc()
 
 
 _metrics: Metrics | None = None

@@ -28,7 +28,7 @@ from .layout import (
     settings_of,
     stored_with,
 )
-from .limit import LimitSpec, to_limits
+from .limit import CostSpec, KeySpec, LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
 from .scripts import DEFAULT_HORIZON, FULL, shape
@@ -73,9 +73,9 @@ class AsyncLimiter(LimiterBase):
 
     async def acquire(
         self,
-        key: str | Sequence[str],
+        key: KeySpec,
         limits: LimitSpec,
-        cost: int | Sequence[int] = 1,
+        cost: CostSpec = 1,
         *,
         reserve: bool = False,
         horizon: float = DEFAULT_HORIZON,
@@ -94,12 +94,7 @@ class AsyncLimiter(LimiterBase):
         )
 
     async def peek(
-        self,
-        key: str | Sequence[str],
-        limits: LimitSpec,
-        cost: int | Sequence[int] = 1,
-        *,
-        guard: float = 0.0,
+        self, key: KeySpec, limits: LimitSpec, cost: CostSpec = 1, *, guard: float = 0.0
     ) -> Decision:
         """As :meth:`Limiter.peek`: what ``acquire`` would answer, counting nothing."""
         call = shape(to_limits(limits), cost, guard=guard)
@@ -108,9 +103,9 @@ class AsyncLimiter(LimiterBase):
     async def confirm(
         self,
         token: str,
-        key: str | Sequence[str],
+        key: KeySpec,
         limits: LimitSpec,
-        cost: int | Sequence[int] = 1,
+        cost: CostSpec = 1,
         *,
         horizon: float = DEFAULT_HORIZON,
         guard: float = 0.0,
@@ -130,22 +125,12 @@ class AsyncLimiter(LimiterBase):
         return decision
 
     async def release(
-        self,
-        token: str,
-        key: str | Sequence[str],
-        limits: LimitSpec,
-        cost: int | Sequence[int] = 1,
+        self, token: str, key: KeySpec, limits: LimitSpec, cost: CostSpec = 1
     ) -> None:
         """As :meth:`Limiter.release`: give back a reservation, or concurrency slots."""
         await self._script_reply(self._release_call(token, key, limits, cost))
 
-    async def settle(
-        self,
-        token: str,
-        key: str | Sequence[str],
-        limits: LimitSpec,
-        cost: int | Sequence[int],
-    ) -> Decision:
+    async def settle(self, token: str, key: KeySpec, limits: LimitSpec, cost: CostSpec) -> Decision:
         """As :meth:`Limiter.settle`: replace the call's counted cost with its real one."""
         return await self._decide(self._settle_call(token, key, limits, cost))
 
@@ -187,12 +172,7 @@ class AsyncLimiter(LimiterBase):
         await self._index(OVERRIDES_INDEX, call.keys, seconds)
 
     async def observe(
-        self,
-        key: str | Sequence[str],
-        headers: Any,
-        limits: LimitSpec,
-        *,
-        since: float | None = None,
+        self, key: KeySpec, headers: Any, limits: LimitSpec, *, since: float | None = None
     ) -> bool:
         """As :meth:`Limiter.observe`: what the upstream's ``headers`` say, for every
         worker."""

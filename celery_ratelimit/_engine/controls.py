@@ -15,7 +15,7 @@ from typing import Any
 from .base import LimiterBase, ScriptCall
 from .headers import Observation, parse
 from .layout import OVERRIDES_INDEX, PAUSED_INDEX, index_key, settings_of
-from .limit import LimitSpec
+from .limit import KeySpec, LimitSpec
 from .rate import Rate
 
 logger = logging.getLogger("celery_ratelimit")
@@ -116,12 +116,7 @@ class KeyControls(LimiterBase):
         self._index(OVERRIDES_INDEX, call.keys, seconds)
 
     def observe(
-        self,
-        key: str | Sequence[str],
-        headers: Any,
-        limits: LimitSpec,
-        *,
-        since: float | None = None,
+        self, key: KeySpec, headers: Any, limits: LimitSpec, *, since: float | None = None
     ) -> bool:
         """Bring ``key``'s shared budget in line with what the upstream's response
         ``headers`` say (one script call; the decisions read it with no extra round trip).
@@ -155,12 +150,7 @@ class KeyControls(LimiterBase):
         return self.observed(key, parse(headers), limits, since=since)
 
     def observed(
-        self,
-        key: str | Sequence[str],
-        seen: Observation,
-        limits: LimitSpec,
-        *,
-        since: float | None = None,
+        self, key: KeySpec, seen: Observation, limits: LimitSpec, *, since: float | None = None
     ) -> bool:
         """:meth:`observe` for headers already read (the Celery layer's
         ``UpstreamRateLimited`` is an observation of a ``Retry-After``)."""

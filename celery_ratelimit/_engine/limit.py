@@ -269,6 +269,10 @@ class Limit:
 
 AnyLimit = Limit | Concurrency
 LimitSpec = str | Rate | Limit | Concurrency | Iterable[str | Rate | Limit | Concurrency]
+#: A call's key: a string, or escaped keys, one per limit (as the Celery layer resolves them).
+KeySpec = str | Sequence[str]
+#: A call's cost: one weight for every limit, or one per limit.
+CostSpec = int | Sequence[int]
 
 
 _PARSED: dict[str, tuple[Limit, ...]] = {}
@@ -371,7 +375,9 @@ __all__ = [
     "AnyLimit",
     "Concurrency",
     "CostFunc",
+    "CostSpec",
     "KeyFunc",
+    "KeySpec",
     "Limit",
     "LimitSpec",
     "RateFunc",
