@@ -79,6 +79,21 @@ local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, now - 200000)
 redis.call('ZADD', KEYS[1], now, ARGV[1], (tonumber(meta[1]) or 0) - gone + 1, '', -now, '+')
 return {1, 0, 0, 0, 0, now}
 """
+#: Exactly the commands ours sends for a plain decision that never binds, and nothing
+#: else: the settings, the log's meta members, a count of the expired entries when the
+#: log holds more than 500 (pruning is bounded to 500 a call), the prune, the entry.
+#: Sent the same KEYS and ARGV as ours (lua/acquire.lua), so Redis converts as many.
+OURS_BARE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('HMGET', KEYS[3], 'pause', 'rate', 'up')
+local meta = redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
+local total, cutoff = tonumber(meta[1]) or 0, now - tonumber(ARGV[10])
+if total > 500 then redis.call('ZCOUNT', KEYS[1], 1e13, cutoff) end
+local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, cutoff)
+redis.call('ZADD', KEYS[1], now, ARGV[1], total - gone + 1, '', -now, '+')
+return {1, 0, 0, 0, 0, now}
+"""
 ROUNDS = 15
 ANCHOR = "anchor: limits moving window hit"
 CALLS = 2_000
@@ -270,6 +285,64 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     return out
 
 
+def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
+    """(b2): a plain decision that never binds, beside the bare script of exactly its
+    commands (same KEYS and ARGV) and `limits`' moving window, in the same interleaved
+    rounds, on a log of more than 500 entries (200 ms window: pruning counts first)
+    and of fewer (10 ms)."""
+    client = server.client()
+    limiter = Limiter(client, prefix="bench-b2")
+    bare = client.script_load(OURS_BARE_SCRIPT)
+    ops: dict[str, Callable[[], object]] = {}
+    logs: dict[str, str] = {}  # each log starts afresh each round (a small one as a listpack)
+    for window in ("200ms", "10ms"):
+        limits = [Limit(f"1000000000/{window}")]
+        key = f"plain{window}"
+        ops[f"ours, {window}"] = lambda key=key, limits=limits: limiter.acquire(key, limits)
+        logs[f"ours, {window}"] = limiter.keys_for(key, limits)[0]
+        keys = [*limiter.keys_for(f"bare{window}", limits)]
+        keys = [keys[0], keys[0] + ":r", f"bench-b2:{{bare{window}}}:settings"]
+        logs[f"bare, {window}"] = keys[0]
+        window_us = limits[0].fixed_rate.window_us
+        args = ["now", 1, 0, 0, 3_600_000_000, 0, 0, 1_000_000_000, window_us, 1]
+        ops[f"bare, {window}"] = lambda keys=keys, args=args: client.evalsha(
+            bare, 3, *keys, os.urandom(8), *args
+        )
+    try:
+        from limits import parse
+        from limits.storage import RedisStorage
+        from limits.strategies import MovingWindowRateLimiter
+    except ImportError:
+        pass
+    else:
+        moving, item = MovingWindowRateLimiter(RedisStorage(server.url)), parse("1000000000/second")
+        ops["limits moving window hit"] = lambda: moving.hit(item, "bench-b2")
+    for fn in ops.values():  # fill every window, warm the scripts
+        deadline = time.monotonic() + 1.2
+        while time.monotonic() < deadline:
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            if name in logs:
+                client.delete(logs[name])
+            client.config_resetstat()
+            for _ in range(calls):
+                fn()
+            samples[name].append(_evalsha_usec(client)[0])
+    out: dict[str, Any] = {
+        name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()
+    }
+    for window in ("200ms", "10ms"):
+        ours = out[f"ours, {window}"]["usec_per_call"]
+        out[f"ours / bare, {window}"] = round(ours / out[f"bare, {window}"]["usec_per_call"], 3)
+        if "limits moving window hit" in out:
+            anchor = out["limits moving window hit"]["usec_per_call"]
+            out[f"ours / limits, {window}"] = round(ours / anchor, 3)
+    client.close()
+    return out
+
+
 def memory(server: RedisServer) -> dict[str, Any]:
     """(c): bytes per entry of a full log key, and of a counter key."""
     client = server.client()
@@ -376,6 +449,14 @@ def throughput(server: RedisServer, seconds: float = 2.0) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else ROUNDS
     server = RedisServer()
+    if argv[1:] == ["plain"]:  # (b2) alone
+        try:
+            plain = plain_beside_bare(server, rounds, CALLS)
+        finally:
+            server.close()
+        for name, row in plain.items():
+            print(f"    {name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}")
+        return 0
     try:
         version = server.client().info("server")["redis_version"]
         results = {
@@ -385,6 +466,7 @@ def main(argv: list[str]) -> int:
             "calls_per_round": CALLS,
             "a_client_side": client_side(server, rounds, CALLS),
             "b_server_side": server_side(server, rounds, CALLS),
+            "b2_plain_beside_bare": plain_beside_bare(server, rounds, CALLS),
             "c_memory": memory(server),
             "d_throughput": throughput(server),
         }
@@ -400,6 +482,9 @@ def main(argv: list[str]) -> int:
             print(f"    {name:24} {row['usec_per_call']:8.2f}")
     for ratio in ("cost 1000 / cost 1", "cost 1, + aligned day / cost 1"):
         print(f"    {ratio:24} {results['b_server_side'][ratio]:8.3f}")
+    print("\n(b2) a plain decision beside the bare script of its commands   usec/call")
+    for name, row in results["b2_plain_beside_bare"].items():
+        print(f"    {name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}")
     print("\n(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)")
     for name, row in results["c_memory"].items():
         per = row.get("bytes_per_entry", "")
