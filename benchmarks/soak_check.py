@@ -122,7 +122,12 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
         details.append(f"kombu: {len(gap)} lost at a kill -9, never taken in: {sorted(gap)}")
     lost -= gap
     if lost:
-        details.append(f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received)")
+        # a mover's line for each parked copy it published (celery_ratelimit/_celery/park.py)
+        moved = {i for i in lost if any(i in ln and "published parked" in ln for ln in lines)}
+        details.append(
+            f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received, "
+            f"{len(moved)} published from the park)"
+        )
     return Verdict(
         tasks=len(ids),
         ran=len(ids & set(record.done)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import time
 from collections import Counter
 from typing import Any
 
@@ -199,3 +200,53 @@ def test_the_async_limiter_places_a_call_as_the_sync_one_does(
 
     asyncio.run(main())
     assert _order(limiter, key) == ["A", "A", "B", "A", "A", "A"]  # 5 ran at once
+
+
+def test_a_slot_taken_over_within_hold_starts_only_if_what_started_leaves_it_room(
+    limiter: Limiter,
+) -> None:
+    """A fair call takes over a waiting call's slot (lib/fair.lua's swap); within ``hold``
+    of now that is a start, and the room of that slot's window may be gone: calls that
+    came after an outage took the room of slots whose tasks never came back (abandoned),
+    not counting the reservations still to come. The slot taken over is a start only
+    when it fits counting what really started, as a confirm is checked; otherwise it
+    stays a reservation, placed anew by its confirm. No window starts more than 3."""
+    limits = [Limit("3/s", key="k", fair_key="{t}")]
+    options: dict[str, Any] = {"reserve": True, "hold": 0.2}
+    starts: list[int] = []
+
+    def started(decision: Any) -> None:
+        assert decision.allowed, decision
+        starts.append(round(decision.at * 1_000_000))
+
+    for _ in range(3):  # a full window
+        started(limiter.acquire("k", limits, fair="a", **options))
+    # the next window's three (their tasks never come back: an outage deferred them
+    # without their tokens) and the window after's three, all tenant a's
+    lost = [limiter.acquire("k", limits, fair="a", **options) for _ in range(3)]
+    waiting = [limiter.acquire("k", limits, fair="a", **options) for _ in range(3)]
+    assert all(d.reserved for d in lost + waiting)
+    # the lost slots are abandoned (overdue by more than a quarter window): fresh calls
+    # take their room, not counting the waiting slots due later
+    time.sleep(max(lost[-1].at + 0.35 - time.time(), 0.0))
+    fresh = [limiter.acquire("k", limits, fair="a", **options) for _ in range(3)]
+    for decision in fresh:
+        if decision.allowed:
+            started(decision)
+    # tenant b comes just before the last waiting slot, and goes ahead of it
+    time.sleep(max(waiting[-1].at - 0.12 - time.time(), 0.0))
+    due = [(d.at, d.token, "a") for d in waiting] + [(0.0, None, "b")]
+    while due:  # every call that waits starts as a worker would, at its slot
+        due.sort(key=lambda call: call[0])
+        at, token, tenant = due.pop(0)
+        time.sleep(max(at - time.time(), 0.0))
+        if token is None:
+            decision = limiter.acquire("k", limits, fair=tenant, **options)
+        else:
+            decision = limiter.confirm(token, "k", limits, fair=tenant, hold=0.2)
+        if decision.allowed:
+            time.sleep(decision.retry_after)
+            started(decision)
+        else:
+            due.append((time.time() + decision.retry_after, decision.token, tenant))
+    assert max_in_window(sorted(starts), 1_000_000) <= 3, sorted(starts)

@@ -242,6 +242,9 @@ def _publish(app: Any, value: bytes, accept: Any) -> None:
     # the ETA in Redis time, as a deferring worker writes it (see clock)
     eta = datetime.datetime.fromtimestamp(int(due) / 1e6, tz=datetime.timezone.utc)
     signature.apply_async(eta=eta)
+    # one line per copy, as its deferral has: a copy that no node receives after this
+    # was lost past the publish, one without it was never handed to the broker
+    logger.info("ratelimit: published parked %s[%s] due %s", signature.task, signature.id, eta)
 
 
 class Mover(threading.Thread):

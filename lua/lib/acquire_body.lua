@@ -82,7 +82,14 @@ local function acquire(c, gates, place)
     local k = ks[1]
     slot = place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
       math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
-    if slot - now <= c.hold then status = 6 end
+    -- a slot taken over within `hold` is a start there: only if it fits counting what
+    -- really started, as its confirm would be (lib/start_body.lua). Calls may have
+    -- taken the room of abandoned slots since it was placed; else it stays a
+    -- reservation, and its confirm places it
+    if slot - now <= c.hold and log_start_in(k, slot, now, c.hold) <= slot
+      and (not k.pace or log_start_in(pace_window(k), slot, now, c.hold) <= slot) then
+      status = 6
+    end
   elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
     -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
     local cc = c.concs[1]
