@@ -66,7 +66,7 @@ if not hasattr(Context, DEFERRALS_HEADER):
 #: its own slot (see ``lua/start.lua``).
 MAX_IN_PROCESS_WAIT = 0.2
 #: A waiting call whose only limit is one ``Concurrency`` waits this long (seconds) past
-#: its expected turn for the turn to be handed over to it (``Check.handed``) before it
+#: its expected turn for the turn to be handed over to it (``check.handed``) before it
 #: confirms its reservation as other calls do.
 HANDOFF_WAIT = 0.5
 #: ... and its deferred copy is due this long (seconds) before its expected turn, so that
@@ -80,7 +80,7 @@ PARKED_WAIT = 0.05
 #: body starts; with more, the renewer renews it this long before it runs out (or
 #: halfway, if sooner): a body shorter than the short lease needs no renewal.
 HANDOFF_RENEW_NOW = 0.3
-#: A grant read too late to start on (see ``Check.start``) is restamped at most this
+#: A grant read too late to start on (see ``Path.started``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
 MAX_RESTAMPS = 5
 
