@@ -1,7 +1,8 @@
-"""One execution's check: its keys, costs and options, resolved once, and the steps the
-path (``path``) takes: the limiter call, the start (after an in-process wait the limiter
-counted), a handed turn, and the handling of a Redis failure under the task's policy.
-The deferral is ``defer``'s; the message headers it writes are named here.
+"""What a task's path (``path``) works out once per process (its plan, options and
+prepared limiter call: :func:`_process_settings`), and the steps it takes besides the
+decision: a handed turn, held concurrency slots, and the handling of a Redis failure
+under the task's policy. The deferral is ``defer``'s; the message headers it writes are
+named here.
 """
 
 from __future__ import annotations
@@ -12,26 +13,26 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from celery.app.task import Context
 
-from .._engine.base import ACQUIRE, CONFIRM, RESERVE, RESTAMP
 from .._engine.decision import Decision
-from .._engine.exceptions import LimiterMisconfigured, LimiterUnavailable
+from .._engine.exceptions import LimiterMisconfigured, LimiterUnavailable, RateLimitError
 from .._engine.limit import Concurrency, Limit
 from .._engine.limiter import Limiter
+from .._engine.scripts import Prepared
 from . import clock
 from .beside import attach
-from .clock import observe
-from .green import _pool, lead
+from .green import _pool
 from .metrics import metrics_for
-from .park import call_in_handed
-from .plan import Plan
+from .plan import Plan, plan_for
 from .settings import limiter_for, park_after, setting
 from .slots import Held, hold, release
+
+if TYPE_CHECKING:
+    from .path import Path
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -65,7 +66,7 @@ if not hasattr(Context, DEFERRALS_HEADER):
 #: its own slot (see ``lua/start.lua``).
 MAX_IN_PROCESS_WAIT = 0.2
 #: A waiting call whose only limit is one ``Concurrency`` waits this long (seconds) past
-#: its expected turn for the turn to be handed over to it (``Check.handed``) before it
+#: its expected turn for the turn to be handed over to it (``check.handed``) before it
 #: confirms its reservation as other calls do.
 HANDOFF_WAIT = 0.5
 #: ... and its deferred copy is due this long (seconds) before its expected turn, so that
@@ -79,7 +80,7 @@ PARKED_WAIT = 0.05
 #: body starts; with more, the renewer renews it this long before it runs out (or
 #: halfway, if sooner): a body shorter than the short lease needs no renewal.
 HANDOFF_RENEW_NOW = 0.3
-#: A grant read too late to start on (see ``Check.start``) is restamped at most this
+#: A grant read too late to start on (see ``Path.started``) is restamped at most this
 #: many times in a row; then the task is published again, for a less busy moment.
 MAX_RESTAMPS = 5
 
@@ -100,228 +101,106 @@ def _log_at_most_every(interval: float, key: str) -> bool:
         return True
 
 
-class Check:
-    """One execution's check: its keys and costs, its options (a message header of an
-    option's name overrides the task's and the app's), and the steps of a decision."""
-
-    def __init__(
-        self, task: Any, plan: Plan, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> None:
-        self.task, self.plan, self.args, self.kwargs = task, plan, args, kwargs
-        self.request = task.request
-        self.keys, self.costs, self.limits = plan.resolve(args, kwargs)
-        self.fair = plan.fair(args, kwargs) if plan.fairly else None
-        here = _process_settings(task)
-        self.limiter = here.limiter
-        self.green = here.green
-        self.metrics = here.metrics  # None unless ratelimit_metrics is on
-        calls = vars(self.request)
-        self.max_countdown = (
-            self.setting("ratelimit_max_countdown")
-            if "ratelimit_max_countdown" in calls
-            else here.max_countdown
-        )
-        self.guard = self.setting("ratelimit_guard") if "ratelimit_guard" in calls else here.guard
-        reserve = (
-            self.setting("ratelimit_reserve") if "ratelimit_reserve" in calls else here.reserve
-        )
-        self.reserve = bool(reserve)
-        self.mode = RESERVE if reserve else ACQUIRE
-        self.slots = tuple(limit for limit in self.limits if isinstance(limit, Concurrency))
-        self.lease = _lease(task, self.request, here.concurrency_lease) if self.slots else None
-        #: the call may be handed a turn: its only limit is one Concurrency
-        self.handy = len(self.limits) == 1 and bool(self.slots)
-        self.tolerance = start_tolerance(self.limits, self.guard)
-        self.sent = 0.0  # time.monotonic() when the last decision was asked for
-        self.lead = 0.0  # how long after its decision the last grant was counted
-        self.restamps = 0
-
-    @property
-    def parking(self) -> Any:
-        """The app whose park may hold copies of calls in line (None: parking is off)."""
-        return self.task.app if _process_settings(self.task).park_after is not None else None
-
-    def setting(self, name: str) -> Any:
-        return setting(name, self.task.app, self.task, self.request)
-
-    def decide(self, token: str | None, restamp: bool = False, reserve: bool = False) -> Decision:
-        """One limiter call: confirm the reservation ``token``, else acquire (reserving
-        a slot when denied if ``reserve`` or ``ratelimit_reserve`` says so); or, with
-        ``restamp``, start the grant ``token`` anew (see :meth:`start`)."""
-        reserve = reserve or self.reserve
-        self.mode = RESTAMP if restamp else CONFIRM if token else RESERVE if reserve else ACQUIRE
-        self.restamps = self.restamps + 1 if restamp else 0
-        limiter, keys, limits, costs = self.limiter, self.keys, self.limits, self.costs
-        options: dict[str, Any] = {
-            "horizon": self.max_countdown,
-            "guard": self.guard,
-            "hold": MAX_IN_PROCESS_WAIT,
-            "lease": self.lease,
-        }
-        self.sent = time.monotonic()
-        sent = time.time()
-        fair: dict[str, Any] = {}
-        if self.fair is not None:
-            fair = {"fair": self.fair[0], "fair_weight": self.fair[1]}
-        self.lead = lead(limits) if token is None and self.green else 0.0
+def handed(path: Path, token: str, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the turn of the waiting call ``token`` to be
+    handed over to it (a body that ends gives its slot to the first waiter: see
+    ``lua/lib/concurrency.lua``). True: the slot is the call's and its body may start
+    (held until it ends, see ``slots``), no decision asked for. False: no turn came,
+    the call cannot be handed one (:attr:`handy`), or Redis failed: confirm as usual.
+    """
+    if not path.handy or path.lease is None:
+        return False
+    try:
+        ends = path.limiter.handed(token, path.keys, path.limits, timeout)
+    except (LimiterUnavailable, LimiterMisconfigured) as exc:
+        logger.debug("ratelimit: could not wait for a handed turn: %s", exc)
+        return False
+    if ends is None:
+        return False
+    # how long its short lease has left, by Redis time; unknown (this process has not
+    # measured its clock's offset yet): renewed before the body starts
+    offset = clock._offset
+    left = ends - time.time() - offset if offset is not None else 0.0
+    held = hold_slots(path, token, time.monotonic() + max(left - HANDOFF_RENEW_NOW, left / 2))
+    if left < HANDOFF_RENEW_NOW:
         try:
-            if token is None:
-                decision = limiter.acquire(
-                    keys, limits, costs, reserve=reserve, lead=self.lead, **options, **fair
-                )
-            elif restamp:
-                decision = limiter.restamp(token, keys, limits, costs, **options)
-            else:
-                decision = limiter.confirm(token, keys, limits, costs, **options, **fair)
+            if not path.limiter.renew(held.token, held.keys, held.limits, lease=held.lease):
+                release(path.request)  # its lease ran out: the turn is lost
+                return False
         except (LimiterUnavailable, LimiterMisconfigured):
-            if self.metrics is not None:  # a failed or timed-out decision has a latency too
-                self.metrics.latency.observe(max(time.time() - sent, 0.0))
-            raise
-        answered = time.time()
-        observe(decision, sent, answered)
-        if self.metrics is not None:
-            elapsed = max(answered - sent, 0.0)
-            self.metrics.decision(self.plan.limits, decision, elapsed, decision.allowed, self.mode)
-            self.metrics.rates(limiter, keys, limits)
-        return decision
+            pass  # the renewer tries again
+        held.due = None
+    setattr(path.request, DECISION_ATTR, Decision(True, 0, 0.0, 0.0, token=token, at=ends))
+    if path.metrics is not None:
+        path.metrics.handed(path.plan.limits)
+    return True
 
-    def handed(self, token: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the turn of the waiting call ``token`` to be
-        handed over to it (a body that ends gives its slot to the first waiter: see
-        ``lua/lib/concurrency.lua``). True: the slot is the call's and its body may start
-        (held until it ends, see ``slots``), no decision asked for. False: no turn came,
-        the call cannot be handed one (:attr:`handy`), or Redis failed: confirm as usual.
-        """
-        if not self.handy or self.lease is None:
-            return False
-        try:
-            ends = self.limiter.handed(token, self.keys, self.limits, timeout)
-        except (LimiterUnavailable, LimiterMisconfigured) as exc:
-            logger.debug("ratelimit: could not wait for a handed turn: %s", exc)
-            return False
-        if ends is None:
-            return False
-        # how long its short lease has left, by Redis time; unknown (this process has not
-        # measured its clock's offset yet): renewed before the body starts
-        offset = clock._offset
-        left = ends - time.time() - offset if offset is not None else 0.0
-        held = self.hold(token, time.monotonic() + max(left - HANDOFF_RENEW_NOW, left / 2))
-        if left < HANDOFF_RENEW_NOW:
-            try:
-                if not self.limiter.renew(held.token, held.keys, held.limits, lease=held.lease):
-                    release(self.request)  # its lease ran out: the turn is lost
-                    return False
-            except (LimiterUnavailable, LimiterMisconfigured):
-                pass  # the renewer tries again
-            held.due = None
-        setattr(self.request, DECISION_ATTR, Decision(True, 0, 0.0, 0.0, token=token, at=ends))
-        if self.metrics is not None:
-            self.metrics.handed(self.plan.limits)
-        return True
 
-    def hold(self, token: str, due: float | None = None) -> Held:
-        """Note that the body holds its concurrency slots until it ends (see ``slots``);
-        ``due``: time.monotonic() by which their lease must first be renewed."""
-        assert self.lease is not None
-        lease = min(slot.lease or self.lease for slot in self.slots)
-        keys = self.keys[-len(self.slots) :]
-        bare = token.partition(".")[0]
-        held = Held(self.limiter, keys, self.slots, bare, lease, due=due, app=self.parking)
-        hold(self.request, held)
-        return held
+def hold_slots(path: Path, token: str, due: float | None = None) -> Held:
+    """Note that the body holds its concurrency slots until it ends (see ``slots``);
+    ``due``: time.monotonic() by which their lease must first be renewed."""
+    assert path.lease is not None
+    lease = min(slot.lease or path.lease for slot in path.slots)
+    keys = path.keys[-len(path.slots) :]
+    bare = token.partition(".")[0]
+    held = Held(path.limiter, keys, path.slots, bare, lease, due=due, app=path.parking)
+    hold(path.request, held)
+    return held
 
-    def start(self, decision: Decision) -> float:
-        """Let the body run, after the in-process wait the limiter counted (if any):
-        returns 0.0; or, if the body would start too late for its grant, how late.
 
-        The limiter counted this call at one instant (``decision.at``); the body starts
-        when this process gets to it. That is moments later, unless the reply was read
-        late (a busy gevent or eventlet hub, a descheduled process) or the wait ended
-        late: then bodies granted in one window could start in the next one, together
-        with that window's own. Its grant is then stale, and restamped (see
-        ``Limiter.restamp``, ``lua/start.lua``) at the instant it really starts. Up to half
-        the guard of lateness is absorbed by the windows' slack instead, and a grant
-        counted ahead of its decision (a cold start on a green pool, ``green.lead``)
-        may start as much later. The bound needs no clock but this process's: Redis
-        decided after ``self.sent``.
-        """
-        if decision.retry_after > 0:
-            # Its start is moments away and already counted for that instant (the
-            # limiter's hold): wait here rather than publish a copy and confirm.
-            time.sleep(decision.retry_after)
-        late = time.monotonic() - self.sent - decision.retry_after
-        if decision.retry_after == 0:
-            late -= self.lead  # a led grant is counted that much after its decision
-        if late > self.tolerance and decision.token is not None:
-            if self.metrics is not None:
-                self.metrics.late_start(self.plan.limits)
-            return late
-        setattr(self.request, DECISION_ATTR, decision)
-        if self.slots and decision.token is not None and self.lease is not None:
-            self.hold(decision.token)  # held until the body ends (see slots)
-        return 0.0
+def report_misconfigured(path: Path, exc: LimiterMisconfigured) -> None:
+    if path.metrics is not None:
+        path.metrics.redis_error(path.plan.limits)
+    interval = setting("ratelimit_warning_interval", path.task.app)
+    # once per cause: what Redis answered, not the message (the first one says it
+    # was the limiter's first call, the next ones a decision)
+    cause = exc.__cause__ or exc
+    if _log_at_most_every(interval, f"misconfigured:{type(cause).__name__}:{cause}"):
+        logger.error(
+            "ratelimit: %s. Every rate-limited task fails until this is fixed "
+            "(%s[%s] now; next report in %.0fs at the earliest)",
+            exc,
+            path.task.name,
+            path.request.id,
+            interval,
+        )
 
-    def report_misconfigured(self, exc: LimiterMisconfigured) -> None:
-        if self.metrics is not None:
-            self.metrics.redis_error(self.plan.limits)
-        interval = setting("ratelimit_warning_interval", self.task.app)
-        # once per cause: what Redis answered, not the message (the first one says it
-        # was the limiter's first call, the next ones a decision)
-        cause = exc.__cause__ or exc
-        if _log_at_most_every(interval, f"misconfigured:{type(cause).__name__}:{cause}"):
-            logger.error(
-                "ratelimit: %s. Every rate-limited task fails until this is fixed "
-                "(%s[%s] now; next report in %.0fs at the earliest)",
-                exc,
-                self.task.name,
-                self.request.id,
-                interval,
-            )
 
-    def on_unavailable(self, exc: LimiterUnavailable) -> float | None:
-        """The countdown to defer by under the task's Redis-error policy ("defer"), or
-        None to run without the limit ("allow"); raises ``exc`` under "raise"."""
-        if self.metrics is not None:
-            self.metrics.redis_error(self.plan.limits)
-        policy = _redis_error_policy(self.task, self.plan, self.request)
-        if policy == "raise":
-            raise exc
-        interval = setting("ratelimit_warning_interval", self.task.app)
-        countdown: float = self.setting("ratelimit_redis_error_countdown")
-        if _log_at_most_every(interval, f"unavailable:{policy}"):
-            name = self.task.name
-            logger.warning(
-                "ratelimit: Redis unavailable (%s); %s (ratelimit_on_redis_error=%r; "
-                "next warning in %.0fs at the earliest)",
-                exc,
-                f"running without its rate limit: {name}"
-                if policy == "allow"
-                else f"deferring {name} by {countdown:g}s",
-                policy,
-                interval,
-            )
-        return None if policy == "allow" else countdown
-
-    @property
-    def competing(self) -> bool:
-        """The last decision was this task competing for budget (it held no slot)."""
-        return self.mode in (ACQUIRE, RESERVE)
-
-    def give_back(self, token: str | None) -> None:
-        """Release the reservation ``token``: a slot that cannot be given back only
-        wastes budget."""
-        if token:
-            with contextlib.suppress(LimiterUnavailable, LimiterMisconfigured):
-                handed = self.limiter.release_handing(token, self.keys, self.limits, self.costs)
-                call_in_handed(self.parking, self.limiter, handed)
+def on_unavailable(path: Path, exc: LimiterUnavailable) -> float | None:
+    """The countdown to defer by under the task's Redis-error policy ("defer"), or
+    None to run without the limit ("allow"); raises ``exc`` under "raise"."""
+    if path.metrics is not None:
+        path.metrics.redis_error(path.plan.limits)
+    policy = _redis_error_policy(path.task, path.plan, path.request)
+    if policy == "raise":
+        raise exc
+    interval = setting("ratelimit_warning_interval", path.task.app)
+    countdown: float = path.setting("ratelimit_redis_error_countdown")
+    if _log_at_most_every(interval, f"unavailable:{policy}"):
+        name = path.task.name
+        logger.warning(
+            "ratelimit: Redis unavailable (%s); %s (ratelimit_on_redis_error=%r; "
+            "next warning in %.0fs at the earliest)",
+            exc,
+            f"running without its rate limit: {name}"
+            if policy == "allow"
+            else f"deferring {name} by {countdown:g}s",
+            policy,
+            interval,
+        )
+    return None if policy == "allow" else countdown
 
 
 @dataclass(frozen=True)
 class _ProcessSettings:
-    """A task's options from the task and ``app.conf``, resolved once per process
-    (``setting`` costs a few microseconds a lookup, on every task otherwise)."""
+    """A task's plan and options (from the task and ``app.conf``), resolved once per
+    process (``setting`` costs a few microseconds a lookup, on every task otherwise),
+    and what its path works out from them once: its concurrency limits, the start
+    tolerance and the limiter call of an acquisition, prepared."""
 
     pid: int
+    spec: Any  # the task's ``ratelimit`` these are for
+    plan: Plan | None  # None: the task has no limits
     limiter: Limiter
     max_countdown: float
     guard: float
@@ -330,16 +209,26 @@ class _ProcessSettings:
     park_after: float | None  # an app-wide setting: every node's mover must agree
     concurrency_lease: float
     green: bool  # a gevent or eventlet pool: this process's sockets are theirs
+    slots: tuple[Concurrency, ...] = ()
+    handy: bool = False  # the call may be handed a turn: its only limit is one Concurrency
+    tolerance: float | None = None  # start_tolerance at ``guard``; None: per call
+    prepared: Prepared | None = None  # the acquisition of a call with ``options``
+    options: tuple[float, float, float | None] = (0.0, 0.0, None)  # horizon, guard, lease
 
 
 def _process_settings(task: Any) -> _ProcessSettings:
+    """The task's :class:`_ProcessSettings` in this process (``path.enforce`` reads the
+    cached ones itself)."""
     cls = type(task)
     cached = cls.__dict__.get("_ratelimit_settings")
-    if cached is not None and cached.pid == os.getpid():
+    spec = getattr(task, "ratelimit", None)
+    if cached is not None and cached.pid == os.getpid() and cached.spec is spec:
         return cached  # type: ignore[no-any-return]
     app = task.app
     resolved = _ProcessSettings(
         pid=os.getpid(),
+        spec=spec,
+        plan=plan_for(task),
         limiter=limiter_for(app),
         max_countdown=setting("ratelimit_max_countdown", app, task),
         guard=setting("ratelimit_guard", app, task),
@@ -349,8 +238,43 @@ def _process_settings(task: Any) -> _ProcessSettings:
         concurrency_lease=setting("ratelimit_concurrency_lease", app, task),
         green=bool(_pool()),
     )
+    if resolved.plan is not None:
+        resolved = _prepared(task, resolved, resolved.plan)
     cls._ratelimit_settings = resolved
     return resolved
+
+
+def _prepared(task: Any, here: _ProcessSettings, plan: Plan) -> _ProcessSettings:
+    """``here`` with what a call's path works out once: see :class:`_ProcessSettings`.
+    An acquisition is prepared when every call of the task sends the same limits and
+    costs with no fair share."""
+    slots = tuple(limit for limit in plan.limits if isinstance(limit, Concurrency))
+    lease = _lease(task, None, here.concurrency_lease) if slots else None
+    options = (here.max_countdown, here.guard, lease)
+    constant = plan.constant
+    tolerance = prepared = None
+    if constant is not None:
+        limits, costs = constant
+        tolerance = start_tolerance(limits, here.guard)
+        if not plan.fairly:
+            with contextlib.suppress(RateLimitError, TypeError):  # the call says it
+                prepared = here.limiter.prepare(
+                    limits,
+                    costs,
+                    horizon=options[0],
+                    guard=options[1],
+                    hold=MAX_IN_PROCESS_WAIT,
+                    lease=lease,
+                )
+    handy = len(plan.limits) == 1 and bool(slots)
+    return replace(
+        here,
+        slots=slots,
+        handy=handy,
+        tolerance=tolerance,
+        prepared=prepared,
+        options=options,
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -16,7 +16,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Reject, Retry
 from celery.utils.time import maybe_iso8601
@@ -30,7 +30,6 @@ from .check import (
     OUR_HEADERS,
     RETRIES_HEADER,
     TOKEN_HEADER,
-    Check,
     _log_at_most_every,
     _process_settings,
 )
@@ -40,6 +39,9 @@ from .metrics import send_deferral_event
 from .park import park
 from .quiet import deferral
 from .settings import setting
+
+if TYPE_CHECKING:
+    from .path import Path as Check
 
 logger = logging.getLogger("celery_ratelimit")
 

@@ -89,6 +89,20 @@ class Plan:
         return Call(tuple(keys), tuple(costs), tuple(limits))
 
     @cached_property
+    def constant(self) -> tuple[tuple[AnyLimit, ...], tuple[int, ...]] | None:
+        """The limits and costs of every call, when no rate or cost depends on the call's
+        arguments (declared costs were checked against declared rates then)."""
+        if self.fixed is not None:
+            return self.fixed.limits, self.fixed.costs
+        costs: list[int] = []
+        for limit in self.limits:
+            cost = 1 if isinstance(limit, Concurrency) else limit.cost
+            if callable(cost) or (isinstance(limit, Limit) and callable(limit.rate)):
+                return None
+            costs.append(cost)
+        return self.limits, tuple(costs)
+
+    @cached_property
     def fairly(self) -> bool:
         """Has a limit a ``fair_key`` (see :meth:`fair`)?"""
         return any(getattr(one, "fair_key", None) for one in self.limits)

@@ -4,7 +4,7 @@ A body's slot (see ``Concurrency`` and ``lua/lib/concurrency.lua``) is taken by 
 lets it run. While the body runs, a thread of this process renews its lease every third
 of it; when the body ends, on every exit the tracer reports (success, an exception,
 ``Retry``, ``Reject``, ``Ignore``, a soft time limit), the ``task_postrun`` handler
-releases it. A body started on a turn handed over to it (``Check.handed``) holds its
+releases it. A body started on a turn handed over to it (``check.handed``) holds its
 slot on a short lease at first: its first renewal comes before that lease runs out
 (``due``). A body that cannot end normally (its process killed by a hard time limit,
 ``revoke(terminate=True)``, a lost node) stops being renewed: its slot comes back when

@@ -39,9 +39,9 @@ from .._engine.headers import Observation
 from .._engine.keys import escape_key
 from .._engine.limit import to_limits
 from .._engine.upstream import UpstreamRateLimited
-from .check import DECISION_ATTR, DEFERRALS_HEADER, TOKEN_HEADER, Check
+from .check import DECISION_ATTR, DEFERRALS_HEADER, TOKEN_HEADER, _process_settings
 from .defer import Deferral, defer
-from .path import enforce
+from .path import Path, enforce
 from .plan import check_key_fields, plan_for
 from .settings import limiter_for
 from .slots import release
@@ -79,10 +79,11 @@ def after_upstream(
         Reject: the publish failed and the task is ``acks_late``.
     """
     request = task.request
-    plan = plan_for(task)
+    here = _process_settings(task)
+    plan = here.plan
     if request.is_eager or request.called_directly or plan is None:
         return False
-    check = Check(task, plan, tuple(args), kwargs)
+    check = Path(task, here, tuple(args), kwargs)
     keys = [escape_key(exc.key)] if exc.key else list(check.keys)
     try:
         if exc.key:
@@ -104,7 +105,7 @@ def after_upstream(
     release(request)
     reason = f"upstream rate limited: {', '.join(keys)} paused for {exc.seconds:g}s"
     try:
-        decision = check.decide(None, reserve=True)
+        decision = check.ask(None, reserve=True)
     except (LimiterUnavailable, LimiterMisconfigured):
         decision = None
     if decision is not None and decision.reserved:

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 
-from .base import DEFAULT_PREFIX, ScriptCall
+from .base import ALLOWED, DEFAULT_PREFIX, KEY_CACHE_SIZE, ScriptCall
 from .client import HeldConnection, client_from_url
 from .controls import KeyControls
-from .decision import Decision, parse_token
+from .decision import TOKEN_BYTES, Decision, parse_token, token_of
 from .exceptions import InvalidLimit, LimiterUnavailable
 from .failures import check_versions, not_redis_error
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
-from .scripts import DEFAULT_HORIZON, FULL, shape
+from .scripts import DEFAULT_HORIZON, FULL, Prepared, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -376,6 +377,48 @@ class Limiter(KeyControls):
         """
         return self._scripts[name](keys=keys, args=args)
 
+    def prepare(
+        self, limits: LimitSpec, cost: int | Sequence[int] = 1, **options: Any
+    ) -> Prepared | None:
+        """What :meth:`acquire` with these arguments (``horizon``, ``guard``, ``hold``,
+        ``lease``; no ``fair``, no ``lead``) sends on every call but its keys and token,
+        checked once; None when that changes by the call (aligned limits' windows move).
+
+        Raises:
+            InvalidLimit / InvalidRate / TypeError: bad limits, cost or options.
+        """
+        call = shape(to_limits(limits), cost, **options)
+        if call.fixed_arguments is None:
+            return None
+        script = call.script("counter" if call.counter else "acquire")
+        return Prepared(call, script, call.fixed_arguments, token_of(b"", call.costs), {})
+
+    def decide(self, prepared: Prepared, keys: tuple[str, ...], reserve: bool = False) -> Decision:
+        """:meth:`acquire` of escaped ``keys`` (one per limit) as :meth:`prepare`d: only
+        the keys' Redis names (remembered) and a token are worked out here."""
+        shape = prepared.shape
+        sends = prepared.sends.get(keys)
+        if sends is None:
+            if len(prepared.sends) >= KEY_CACHE_SIZE:
+                prepared.sends.clear()
+            sends = prepared.sends[keys] = self._prepared(keys, shape)
+        token = os.urandom(TOKEN_BYTES)
+        args = [token, "reserve" if reserve else "now", *prepared.arguments]
+        call = ScriptCall(prepared.script, sends, args, shape.limits, shape.costs)
+        reply = self._script_reply(call)
+        status, remaining, retry_us, reset_us, denied_by, at_us = reply
+        if status != ALLOWED or denied_by:  # read as every decision's reply is
+            return self._decided(call, reply)
+        token_text = token.hex() + prepared.suffix
+        return Decision(
+            True,
+            remaining,
+            retry_us / 1_000_000,
+            reset_us / 1_000_000,
+            token=token_text,
+            at=at_us / 1_000_000,
+        )
+
     # -- the calls ------------------------------------------------------------------
 
     def _decide(self, call: ScriptCall) -> Decision:
@@ -383,7 +426,8 @@ class Limiter(KeyControls):
         return self._decided(call, self._script_reply(call))
 
     def _script_reply(self, call: ScriptCall) -> Any:
-        """The script's reply to ``call`` (on the held connection).
+        """The script's reply to ``call``, sent on the held connection (the script
+        loaded first if Redis lost it).
 
         Raises:
             LimiterUnavailable, LimiterMisconfigured: Redis failed (see ``failures``).
@@ -394,16 +438,12 @@ class Limiter(KeyControls):
                 if not self._checked:  # not checked by the call it waited for
                     self.check()
         try:
-            reply = self._eval(script, call.keys, call.args)
-            if call.script == "acquire" and reply[0] == FULL:
-                return self._eval(self._scripts["acquire_full"], call.keys, call.args)
-            return reply
+            try:
+                reply = self._send("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+            except redis.exceptions.NoScriptError:
+                reply = script(keys=call.keys, args=call.args)  # loads the script, then runs it
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
-
-    def _eval(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """``script``'s reply, sent on the held connection (loaded first if Redis lost it)."""
-        try:
-            return self._send("EVALSHA", script.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            return script(keys=keys, args=args)  # loads the script, then runs it
+        if call.script == "acquire" and reply[0] == FULL:
+            return self._script_reply(call._replace(script="acquire_full"))
+        return reply

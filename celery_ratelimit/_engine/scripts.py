@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from zoneinfo import ZoneInfo
 
 from .calendar import boundaries, zone_of
@@ -275,6 +275,17 @@ class Shape:
         if self.lead > 0:
             every += ("#lead", _us(self.lead))
         return every
+
+
+class Prepared(NamedTuple):
+    """An acquisition of one shape worked out once by a limiter (``Limiter.prepare``):
+    the calls made of it (``Limiter.decide``) differ only by their keys and token."""
+
+    shape: Shape
+    script: str
+    arguments: tuple[int | str, ...]  # ARGV[3] on
+    suffix: str  # what a token carries after its hex digits (``decision.token_of``)
+    sends: dict[tuple[str, ...], list[str]]  # the script's KEYS by the call's keys
 
 
 #: Shapes by their arguments: a call's arguments are worked out and checked once per
