@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from .decision import TOKEN_BYTES, Decision, parse_token, token_of
 from .exceptions import InvalidLimit, RateLimitError
 from .failures import translate
-from .headers import Observation, budget_for
+from .headers import Observation, budget_numbers
 from .keys import escape_key, fixed_key
 from .layout import (
     FAIR_STATE,
@@ -354,23 +354,7 @@ class LimiterBase:
         rate of the limits declared ``adapt=True``."""
         normalized = to_limits(limits)
         keys = self.keys_for(key, normalized)
-        noted: list[str] = []
-        numbers: list[int] = []
-        for name, limit in zip(keys, normalized, strict=True):
-            budget = budget_for(limit, seen)
-            if budget is None:
-                continue
-            window = limit.fixed_rate.window_us
-            quota = budget.limit or 0
-            if budget.window is not None and abs(budget.window * 1_000_000 - window) > 1000:
-                quota = 0  # a quota of another window says nothing of this limit's
-            # a reset rounded up to whole seconds came up to a second earlier: where the
-            # quota of this window is known, the budget holds until the earliest it may
-            # have come, the quota pacing the calls in that second (the limit's own log
-            # counts them); without one, until the reset stated
-            reset = budget.reset - budget.early if quota else budget.reset
-            noted.append(name)
-            numbers += (budget.remaining, int(reset * 1_000_000), quota)
+        noted, numbers = budget_numbers(keys, normalized, seen)
         pause = seen.retry_after or 0.0
         cut: list[str] = []
         if pause > 0:

@@ -27,7 +27,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,4 +335,37 @@ def budget_for(limit: Any, seen: Observation) -> Budget | None:
     return seen.tokens if weighs else seen.requests
 
 
-__all__ = ["Budget", "Observation", "budget_for", "duration", "header_map", "parse"]
+def budget_numbers(
+    keys: Sequence[str], limits: Sequence[Any], seen: Observation
+) -> tuple[list[str], list[int]]:
+    """The log keys whose budget ``seen`` states, and (remaining, reset µs, quota) of
+    each, for ``lua/observe.lua`` (see :func:`budget_for` for which a limit takes)."""
+    noted: list[str] = []
+    numbers: list[int] = []
+    for name, limit in zip(keys, limits, strict=True):
+        budget = budget_for(limit, seen)
+        if budget is None:
+            continue
+        window = limit.fixed_rate.window_us
+        quota = budget.limit or 0
+        if budget.window is not None and abs(budget.window * 1_000_000 - window) > 1000:
+            quota = 0  # a quota of another window says nothing of this limit's
+        # a reset rounded up to whole seconds came up to a second earlier: where the
+        # quota of this window is known, the budget holds until the earliest it may
+        # have come, the quota pacing the calls in that second (the limit's own log
+        # counts them); without one, until the reset stated
+        reset = budget.reset - budget.early if quota else budget.reset
+        noted.append(name)
+        numbers += (budget.remaining, int(reset * 1_000_000), quota)
+    return noted, numbers
+
+
+__all__ = [
+    "Budget",
+    "Observation",
+    "budget_for",
+    "budget_numbers",
+    "duration",
+    "header_map",
+    "parse",
+]
