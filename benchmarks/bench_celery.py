@@ -232,13 +232,13 @@ class Bench:
         if len(replies or ()) != nodes:
             raise RuntimeError(f"not every node answered the remote control: {replies}")
 
-    def run(self) -> dict[str, Any]:
+    def run(self, scenarios: bool = True) -> dict[str, Any]:
         begun = time.monotonic()
         self.nodes.start(self.tasks.app)
         limit, window = self.rate.limit, self.rate.window
         ideal = (math.ceil(self.backlog / limit) - 1) * window
         out: dict[str, Any] = {"rate": str(self.rate), "backlog": self.backlog, "ideal_s": ideal}
-        for name in ("reserved", "unreserved"):
+        for name in ("reserved", "unreserved") if scenarios else ():
             r = self.drain(name, self.backlog, ideal * 4 + 30)
             r["drain_over_ideal"] = r["drain_s"] / ideal if r["drain_s"] else None
             r["calls_per_task"] = r["limiter_calls"] / max(r["executed"], 1)
@@ -251,9 +251,10 @@ class Bench:
         # Celery's own limit is over once each node has run a window at its own rate;
         # after a burst it falls far below the rate (one task a second per node here,
         # celery/celery#5927), so a whole backlog would take a minute to drain
-        anchor = self.drain("celery_rate_limit", min(self.backlog, 6 * limit), 60)
-        anchor["starts_over_limit"] = anchor["max_starts_per_window"] / limit
-        out["celery_rate_limit"] = anchor
+        if scenarios:
+            anchor = self.drain("celery_rate_limit", min(self.backlog, 6 * limit), 60)
+            anchor["starts_over_limit"] = anchor["max_starts_per_window"] / limit
+            out["celery_rate_limit"] = anchor
         scenarios_done = time.monotonic()
         names = ("unlimited", "loose", "one_round_trip", "one_script_call", "one_floor_call")
         throughput: dict[str, list[float]] = {name: [] for name in names}
@@ -315,10 +316,16 @@ class Bench:
         return out
 
 
-def run(broker: str = "redis", rate: str = "20/s", backlog: int = 400, overhead: int = 2000) -> Any:
+def run(
+    broker: str = "redis",
+    rate: str = "20/s",
+    backlog: int = 400,
+    overhead: int = 2000,
+    scenarios: bool = True,
+) -> Any:
     bench = Bench(broker, Rate.parse(rate), backlog, overhead)
     try:
-        return bench.run()
+        return bench.run(scenarios)
     finally:
         bench.close()
 
@@ -334,11 +341,15 @@ def main() -> None:
     parser.add_argument("--rate", default="20/s")
     parser.add_argument("--backlog", type=int, default=400)
     parser.add_argument("--overhead-tasks", type=int, default=2000)
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="row 8 alone (no scenarios 5-7)"
+    )
     args = parser.parse_args()
     if args.broker == "rabbitmq" and not rabbitmq_reachable():
         raise SystemExit("no RabbitMQ on 127.0.0.1:5672")
-    result = run(args.broker, args.rate, args.backlog, args.overhead_tasks)
-    save(f"celery_{args.broker}.json", result, indent=2)
+    result = run(args.broker, args.rate, args.backlog, args.overhead_tasks, not args.overhead_only)
+    suffix = "_overhead" if args.overhead_only else ""
+    save(f"celery_{args.broker}{suffix}.json", result, indent=2)
     print(json.dumps(result, indent=2))
 
 
