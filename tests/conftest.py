@@ -6,6 +6,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+# Imported at collection, before any test starts a thread: hypothesis loads this module
+# lazily, inside a test, where pytest's assertion rewriting parses it; CPython 3.11's
+# AST constructor keeps one recursion counter for all threads, and a parse beside another
+# thread's fails with "SystemError: AST constructor recursion depth mismatch".
+import hypothesis.internal.conjecture.optimiser  # noqa: F401
 import pytest
 import redis
 
