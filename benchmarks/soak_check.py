@@ -9,7 +9,9 @@ wrote its line changes nothing.
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -29,6 +31,22 @@ GAP = 5.0
 LATE = 0.5
 #: scores below this are a sorted set's meta members, not entries
 META = 10**13
+
+
+#: a mover's line for a parked copy it published, and a node's for a message it took in
+_PUBLISHED = re.compile(r"^\[(\S+ \S+): .*ratelimit: published parked \S+\[([0-9a-f-]+)\]")
+_RECEIVED = re.compile(r"^\[(\S+ \S+): .*\] Task \S+\[([0-9a-f-]+)\] received")
+
+
+def _stamps(lines: list[str], pattern: re.Pattern[str]) -> dict[str, list[float]]:
+    """Task id -> the epoch seconds (by the log's clock) of each line ``pattern`` finds."""
+    found: dict[str, list[float]] = defaultdict(list)
+    for line in lines:
+        if match := pattern.search(line):
+            stamp, task_id = match.groups()
+            when = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            found[task_id].append(when)
+    return found
 
 
 @dataclass
@@ -81,7 +99,9 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
     (nor deferred since), whose last hand-off to the broker (``sent``: epoch seconds it
     was sent; or its newest deferred copy, due by a node's log) came at most
     :data:`GAP` s before a kill -9 of a node (``kills``, epoch seconds), or :data:`LATE`
-    s after it, is counted apart as lost in that gap. Every other missing task is lost."""
+    s after it, is counted apart as lost in that gap; so is a task taken in once whose
+    parked copy a mover published (its log line) within the same bounds of a kill -9 and
+    no node took in after. Every other missing task is lost."""
     ids = set(sent)
     details = []
     over = 0
@@ -113,9 +133,17 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
     lines = [ln for p in logs.glob("*.log") for ln in p.read_text("utf-8", "replace").split("\n")]
     due = due_times(lines)
     received = {i for i in lost if any(i in line and "received" in line for line in lines)}
+    published, receipts = _stamps(lines, _PUBLISHED), _stamps(lines, _RECEIVED)
     gap = set()
-    for i in lost - received:
-        handed = max(sent[i], due.get(i, 0.0) - PARK_LEAD)
+    for i in lost:
+        if i in received:
+            # taken in once, deferred and parked: its copy's hand-off is the mover's
+            # publish, and no node took the copy in after it
+            if i not in published or max(receipts.get(i, [0.0])) >= max(published[i]):
+                continue
+            handed = max(published[i])
+        else:
+            handed = max(sent[i], due.get(i, 0.0) - PARK_LEAD, *published.get(i, []))
         if any(-LATE <= kill - handed <= GAP for kill in kills):
             gap.add(i)
     if gap:
