@@ -252,17 +252,17 @@ FLOOD_TRACE = bool(os.environ.get("CRL_BENCH_FLOOD_TRACE"))
 _traced: dict[str, tuple[float, float]] = {}
 
 if FLOOD_TRACE:
-    from celery_ratelimit._celery import check as _check
+    from celery_ratelimit._celery import path as _path
 
-    _decide = _check.Check.decide
+    _ask = _path.Path.ask
 
     def _traced_decide(self: Any, *args: Any, **kwargs: Any) -> Any:
         sent = time.time()
-        decision = _decide(self, *args, **kwargs)
+        decision = _ask(self, *args, **kwargs)
         _traced[self.request.id] = (sent, time.time())
         return decision
 
-    _check.Check.decide = _traced_decide  # type: ignore[method-assign]
+    _path.Path.ask = _traced_decide  # type: ignore[method-assign]
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(FLOOD_RATE, key="flood"), bind=True)

@@ -258,7 +258,7 @@ def _prepared(task: Any, here: _ProcessSettings, plan: Plan) -> _ProcessSettings
         tolerance = start_tolerance(limits, here.guard)
         if not plan.fairly:
             with contextlib.suppress(RateLimitError, TypeError):  # the call says it
-                prepared = here.limiter.prepare(
+                prepared = here.limiter._prepare_acquire(
                     limits,
                     costs,
                     horizon=options[0],

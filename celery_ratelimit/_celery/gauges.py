@@ -38,8 +38,8 @@ def read_gauges(app: Any) -> dict[str, int] | None:
     limiter = limiter_for(app)
     counts = {
         "parked": int(limiter.client.zcard(park_keys(app, limiter)[0])),
-        "paused_keys": limiter.indexed(PAUSED_INDEX),
-        "overrides": limiter.indexed(OVERRIDES_INDEX),
+        "paused_keys": limiter._indexed(PAUSED_INDEX),
+        "overrides": limiter._indexed(OVERRIDES_INDEX),
     }
     for name, value in counts.items():
         getattr(metrics, name).set(value)

@@ -280,7 +280,7 @@ class Mover(threading.Thread):
         """Wait ``pause`` seconds, or less if a copy is called in (``call_in``)."""
         limiter = limiter_for(self.app)
         try:
-            limiter.pop_waiting(park_keys(self.app, limiter)[5], pause, "a mover's nap")
+            limiter._pop_waiting(park_keys(self.app, limiter)[5], pause, "a mover's nap")
         except Exception:  # Redis away: the next look says so
             self.stopping.wait(pause)
 

@@ -220,7 +220,7 @@ class Path:
         options = (self.max_countdown, self.guard, self.lease)
         try:
             if prepared is not None and options == self.here.options:
-                decision = self.limiter.decide(prepared, self.keys, reserve)
+                decision = self.limiter._acquire_prepared(prepared, self.keys, reserve)
             else:
                 decision = self.call(token, restamp, reserve)
         except (LimiterUnavailable, LimiterMisconfigured):

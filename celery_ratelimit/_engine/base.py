@@ -414,24 +414,21 @@ class LimiterBase:
         kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
         return translate(exc, doing, kwargs.get("username"), self.prefix)
 
-    def _decided(self, call: ScriptCall, reply: Any) -> Decision:
+    def _decided(self, call: ScriptCall, reply: Any, suffix: str | None = None) -> Decision:
         """The Decision a script's ``reply`` to ``call`` means, for a call that starts no
-        reservation (only a reservation's start may find it spent)."""
-        decision = self._decision(call, reply)
-        if decision is None:
-            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
-        return decision
-
-    def _decision(self, call: ScriptCall, reply: Any) -> Decision | None:
-        """The Decision a script's ``reply`` to ``call`` means; None if the reservation
-        its token names was already started on (``SPENT``)."""
+        reservation (only a reservation's start may find it spent). ``suffix``: what the
+        call's token carries after its hex digits, when known (``decision.token_of``)."""
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
-            return None
+            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
         limits = call.limits
         reserved = status in (RESERVED, NOT_YET_DUE)
         allowed = status in (ALLOWED, STARTS_AT, SETTLED)
         paused = denied_by == len(limits) + 1
+        token = None
+        if reserved or allowed:
+            raw = bytes(call.args[0])  # the token's bytes (ScriptCall.token)
+            token = token_of(raw, call.costs) if suffix is None else raw.hex() + suffix
         return Decision(
             allowed=allowed,
             remaining=remaining,
@@ -439,7 +436,12 @@ class LimiterBase:
             reset_after=reset_us / 1_000_000,
             limit=limits[denied_by - 1] if denied_by and not paused else None,
             reserved=reserved,
-            token=token_of(call.token, call.costs) if reserved or allowed else None,
+            token=token,
             at=at_us / 1_000_000,
             paused=paused,
         )
+
+    def _decision(self, call: ScriptCall, reply: Any) -> Decision | None:
+        """The Decision a script's ``reply`` to ``call`` means; None if the reservation
+        its token names was already started on (``SPENT``)."""
+        return None if reply[0] == SPENT else self._decided(call, reply)

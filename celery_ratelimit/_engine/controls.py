@@ -38,7 +38,7 @@ class KeyControls(LimiterBase):
             except Exception as exc:  # the metrics' count only
                 logger.debug("ratelimit: could not write the index %s: %s", which, exc)
 
-    def indexed(self, which: str) -> int:
+    def _indexed(self, which: str) -> int:
         """How many keys the index ``which`` (``layout.PAUSED_INDEX``,
         ``OVERRIDES_INDEX``) holds now, its lapsed entries dropped.
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from .base import ALLOWED, DEFAULT_PREFIX, KEY_CACHE_SIZE, ScriptCall
+from .base import DEFAULT_PREFIX, KEY_CACHE_SIZE, ScriptCall
 from .client import HeldConnection, client_from_url
 from .controls import KeyControls
 from .decision import TOKEN_BYTES, Decision, parse_token, token_of
@@ -277,10 +277,10 @@ class Limiter(KeyControls):
         if len(normalized) != 1 or not isinstance(normalized[0], Concurrency):
             raise InvalidLimit(f"a handed turn is one Concurrency's, not {normalized!r}")
         name = handoff_list(self.keys_for(key, normalized)[0], parse_token(token)[0])
-        popped = self.pop_waiting(name, timeout, "waiting for a handed turn")
+        popped = self._pop_waiting(name, timeout, "waiting for a handed turn")
         return None if popped is None else int(popped) / 1_000_000
 
-    def pop_waiting(self, name: str, timeout: float, doing: str) -> Any:
+    def _pop_waiting(self, name: str, timeout: float, doing: str) -> Any:
         """The first item of the list ``name``, waited for up to ``timeout`` seconds (at
         most 1, and half the client's socket timeout, which would take the wait for a
         hung Redis); None if none came.
@@ -377,7 +377,7 @@ class Limiter(KeyControls):
         """
         return self._scripts[name](keys=keys, args=args)
 
-    def prepare(
+    def _prepare_acquire(
         self, limits: LimitSpec, cost: int | Sequence[int] = 1, **options: Any
     ) -> Prepared | None:
         """What :meth:`acquire` with these arguments (``horizon``, ``guard``, ``hold``,
@@ -393,8 +393,10 @@ class Limiter(KeyControls):
         script = call.script("counter" if call.counter else "acquire")
         return Prepared(call, script, call.fixed_arguments, token_of(b"", call.costs), {})
 
-    def decide(self, prepared: Prepared, keys: tuple[str, ...], reserve: bool = False) -> Decision:
-        """:meth:`acquire` of escaped ``keys`` (one per limit) as :meth:`prepare`d: only
+    def _acquire_prepared(
+        self, prepared: Prepared, keys: tuple[str, ...], reserve: bool = False
+    ) -> Decision:
+        """:meth:`acquire` of escaped ``keys`` (one per limit) as :meth:`_prepare_acquire`d: only
         the keys' Redis names (remembered) and a token are worked out here."""
         shape = prepared.shape
         sends = prepared.sends.get(keys)
@@ -405,19 +407,7 @@ class Limiter(KeyControls):
         token = os.urandom(TOKEN_BYTES)
         args = [token, "reserve" if reserve else "now", *prepared.arguments]
         call = ScriptCall(prepared.script, sends, args, shape.limits, shape.costs)
-        reply = self._script_reply(call)
-        status, remaining, retry_us, reset_us, denied_by, at_us = reply
-        if status != ALLOWED or denied_by:  # read as every decision's reply is
-            return self._decided(call, reply)
-        token_text = token.hex() + prepared.suffix
-        return Decision(
-            True,
-            remaining,
-            retry_us / 1_000_000,
-            reset_us / 1_000_000,
-            token=token_text,
-            at=at_us / 1_000_000,
-        )
+        return self._decided(call, self._script_reply(call), prepared.suffix)
 
     # -- the calls ------------------------------------------------------------------
 

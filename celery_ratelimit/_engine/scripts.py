@@ -278,8 +278,8 @@ class Shape:
 
 
 class Prepared(NamedTuple):
-    """An acquisition of one shape worked out once by a limiter (``Limiter.prepare``):
-    the calls made of it (``Limiter.decide``) differ only by their keys and token."""
+    """An acquisition of one shape worked out once by a limiter (``Limiter._prepare_acquire``):
+    the calls made of it (``Limiter._acquire_prepared``) differ only by their keys and token."""
 
     shape: Shape
     script: str
