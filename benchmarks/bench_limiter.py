@@ -29,6 +29,7 @@ import redis
 from benchmarks.output import save
 from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.client import HeldConnection
+from celery_ratelimit._engine.scripts import source
 from celery_ratelimit._tools.embedded import RedisServer
 
 #: Physical floors on this server, in scripts that do nothing else (no arguments read,
@@ -172,9 +173,24 @@ def client_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     return out
 
 
-def _evalsha_usec(client: redis.Redis) -> tuple[float, int]:
-    stats = client.info("commandstats")["cmdstat_evalsha"]
+def _evalsha_usec(client: redis.Redis, command: str = "evalsha") -> tuple[float, int]:
+    stats = client.info("commandstats")[f"cmdstat_{command}"]
     return float(stats["usec_per_call"]), int(stats["calls"])
+
+
+def _as_function(client: redis.Redis, name: str) -> str | None:
+    """The entry script ``name`` loaded as a Redis Function (``FUNCTION LOAD``, Redis 7+),
+    its body unchanged (KEYS and ARGV become its parameters); None where the server has
+    no functions."""
+    library = (
+        f"#!lua name=crl_{name}\n"
+        f"redis.register_function('crl_{name}', function(KEYS, ARGV)\n{source(name)}\nend)\n"
+    )
+    try:
+        client.function_load(library, replace=True)
+    except redis.ResponseError:
+        return None
+    return f"crl_{name}"
 
 
 def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
@@ -293,6 +309,7 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
     client = server.client()
     limiter = Limiter(client, prefix="bench-b2")
     bare = client.script_load(OURS_BARE_SCRIPT)
+    function = _as_function(client, "acquire")
     ops: dict[str, Callable[[], object]] = {}
     logs: dict[str, str] = {}  # each log starts afresh each round (a small one as a listpack)
     for window in ("200ms", "10ms"):
@@ -300,6 +317,16 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
         key = f"plain{window}"
         ops[f"ours, {window}"] = lambda key=key, limits=limits: limiter.acquire(key, limits)
         logs[f"ours, {window}"] = limiter.keys_for(key, limits)[0]
+        if function is not None:  # the same script as a function: what FCALL would save
+            prepared = limiter._prepare_acquire(limits)
+            assert prepared is not None
+            sends = limiter._prepared((f"fcall{window}",), prepared.shape)
+            ops[f"ours as FCALL, {window}"] = lambda sends=sends, more=prepared.arguments: (
+                client.execute_command(
+                    "FCALL", function, len(sends), *sends, os.urandom(8), "now", *more
+                )
+            )
+            logs[f"ours as FCALL, {window}"] = sends[0]
         keys = [*limiter.keys_for(f"bare{window}", limits)]
         keys = [keys[0], keys[0] + ":r", f"bench-b2:{{bare{window}}}:settings"]
         logs[f"bare, {window}"] = keys[0]
@@ -329,13 +356,17 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
             client.config_resetstat()
             for _ in range(calls):
                 fn()
-            samples[name].append(_evalsha_usec(client)[0])
+            command = "fcall" if "FCALL" in name else "evalsha"
+            samples[name].append(_evalsha_usec(client, command)[0])
     out: dict[str, Any] = {
         name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()
     }
     for window in ("200ms", "10ms"):
         ours = out[f"ours, {window}"]["usec_per_call"]
         out[f"ours / bare, {window}"] = round(ours / out[f"bare, {window}"]["usec_per_call"], 3)
+        if f"ours as FCALL, {window}" in out:
+            fcall = out[f"ours as FCALL, {window}"]["usec_per_call"]
+            out[f"FCALL / EVALSHA, {window}"] = round(fcall / ours, 3)
         if "limits moving window hit" in out:
             anchor = out["limits moving window hit"]["usec_per_call"]
             out[f"ours / limits, {window}"] = round(ours / anchor, 3)
