@@ -14,6 +14,6 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local kept = 1
 for j = 1, #KEYS / 3 do
   local cc = {h = KEYS[3 * j - 2], s = KEYS[3 * j - 1], w = KEYS[3 * j], lease = tonumber(ARGV[j + 1])}
-  if not conc_renew(cc, ARGV[1], now) then kept = 0 end
+  if not concurrency.renew(cc, ARGV[1], now) then kept = 0 end
 end
 return kept

@@ -30,7 +30,7 @@ from celery_ratelimit._engine.layout import (
     parse_override,
     redis_key,
 )
-from celery_ratelimit._engine.scripts import GATED, shape, source
+from celery_ratelimit._engine.scripts import COMPOSED, FEATURES, NAMES, shape, source
 from celery_ratelimit._tools.cli import run_set
 from celery_ratelimit._tools.ops import key_settings, key_status
 
@@ -52,30 +52,59 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     assert f"call('ZMSCORE', key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
-    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
+    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_full+cal")
     assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire_full")
     assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
 
 
-def test_a_call_of_sliding_limits_runs_no_calendar_or_concurrency_code() -> None:
-    for name in GATED:
-        assert "local function gate_lib" not in source(name), name
-        assert "local function gate_lib" in source(f"{name}_gated"), name
-        assert "local function cal_" not in source(name), name
-        assert "local function conc_" not in source(name), name
-    assert "local function fair_place" not in source("acquire")
-    assert "local function fair_place" not in source("acquire_full")
-    assert "local function fair_place" in source("acquire_fair")
+#: What only the script of a call with each feature holds: the functions of its library.
+FEATURE_CODE = {
+    "cal": ("local calendar\n", "local function cal_"),
+    "conc": ("local concurrency\n", "local function conc_"),
+    "fair": ("local function fair_place",),
+}
+
+
+@pytest.mark.parametrize("name", [one for one in NAMES if one.split("+")[0] in COMPOSED])
+def test_a_composed_script_holds_the_code_of_its_features_only(name: str) -> None:
+    file, *features = name.split("+")
+    text = source(name)
+    assert "--- @include" not in text, name
+    for feature in FEATURES:
+        for code in FEATURE_CODE[feature]:
+            assert (code in text) == (feature in features), (name, code)
+    # its header first: what it is, then its KEYS, ARGV and reply, before any code
+    header = text[: text.index("\nlocal ")]
+    assert header.startswith(f"-- {file}.lua — "), name
+    assert all(line.startswith("--") or not line for line in header.splitlines()), name
+    assert "KEYS" in header and "ARGV" in header and "eply" in header, name
+
+
+def test_a_call_runs_the_script_of_what_it_declares() -> None:
     plain, fair = shape((Limit("10/s"),), 1), True
-    assert (plain.script("acquire"), plain.script("acquire", fair)) == ("acquire", "acquire_fair")
+    assert (plain.script("acquire"), plain.script("acquire", fair)) == (
+        "acquire",
+        "acquire_full+fair",
+    )
     for full in (shape((Limit("10/s"),), 2), shape((Limit("10/s", burst=2),), 1)):
         assert full.script("acquire") == "acquire_full"
-    for gated in (Limit("10/d", align="UTC"), Concurrency(2)):
-        both = shape((Limit("10/s"), gated), 1)
-        assert (both.script("start"), both.script("acquire", fair)) == (
-            "start_gated",
-            "acquire_gated",
-        )
+    day, two = Limit("10/d", align="UTC"), Concurrency(2)
+    for limits, features in (
+        ((Limit("10/s"), day), "+cal"),
+        ((day,), "+cal"),
+        ((Limit("10/s"), two), "+conc"),
+        ((two,), "+conc"),
+        ((Limit("10/s"), day, two), "+cal+conc"),
+    ):
+        call = shape(limits, 1)
+        for operation in ("start", "release", "counter"):
+            assert call.script(operation) == operation + features
+        assert call.script("acquire") == "acquire_full" + features
+        assert call.script("settle") == ("settle+cal" if "cal" in features else "settle")
+    # a fair queue orders one sliding limit's calls, or one Concurrency's alone
+    assert shape((two,), 1).script("acquire", fair) == "acquire_full+conc+fair"
+    assert shape((Limit("10/s"), two), 1).script("acquire", fair) == "acquire_full+conc"
+    assert shape((day,), 1).script("acquire", fair) == "acquire_full+cal"
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:

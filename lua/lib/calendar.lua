@@ -14,6 +14,13 @@
 --
 -- A call fits at instant s when the weight counted in the window holding s plus its
 -- cost is at most the limit, or when its own entry already counts in that window.
+--
+-- Included by an entry script only for a call that declares aligned limits: the file
+-- defines one local, `calendar`, the table of the functions the bodies call (the rest
+-- are local to its block).
+
+local calendar
+do
 
 local CAL_KEEP_MS = 1000
 -- At most this many entries of past windows are removed per call (see the log's)
@@ -171,4 +178,31 @@ local function cal_state(cal, now)
     end
   end
   return cal.limit - cal_used(cal, cal.cur), reset
+end
+
+-- The states of the call `c`'s aligned limits (lib/call.lua), as cal_open gives them.
+local function cal_open_all(c, write, own)
+  local cals = {}
+  for j, spec in ipairs(c.cals) do cals[j] = cal_open(spec, c.token, c.now, write, own) end
+  return cals
+end
+
+-- The earliest instant from `gate` (set by limit `by`, lib/call.lua's denied_by) at which
+-- the call `c` fits its aligned limits `cals`, and the index of the limit that set it.
+local function cal_gate(c, cals, gate, by)
+  local s, a = cal_at(cals, gate, c.now, c.horizon)
+  if s > gate then gate, by = s, #c.logs + a end
+  return gate, by
+end
+
+-- Count the call in the window holding `at` when the answer `status` (lib/call.lua)
+-- counts it: a start, or a reservation.
+local function cal_commit(cals, status, at, now)
+  if status == 1 or status == 2 or status == 3 or status == 6 then
+    for _, cal in ipairs(cals) do cal_count(cal, at, now) end
+  end
+end
+
+calendar = {open = cal_open, open_all = cal_open_all, gate = cal_gate, commit = cal_commit,
+  release = cal_release, settle = cal_settle, state = cal_state}
 end

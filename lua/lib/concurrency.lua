@@ -25,6 +25,13 @@
 -- lane n % most, after n // most bodies of the average time ahead of it there; a lane
 -- is free when its holder's body is expected to end. Turns keep their order, so a queue
 -- of waiters comes back one by one, not all at once.
+--
+-- Included only for a call that declares concurrency limits (and by renew.lua): the file
+-- defines one local, `concurrency`, the table of the functions its callers use (the rest
+-- are local to its block).
+
+local concurrency
+do
 
 local GRACE = 2000000
 -- A guess of a body's time before any body has ended: what the longest-running one has
@@ -175,4 +182,35 @@ local function conc_renew(cc, token, now)
   if not redis.call('ZSCORE', cc.h, token) then return false end
   redis.call('ZADD', cc.h, now + cc.lease, token)
   return true
+end
+
+-- The earliest instant from `gate` (set by limit `by`, lib/call.lua's denied_by) the call
+-- `c` may start at as far as its concurrency limits say; the index of the limit that set
+-- it; and whether that instant is firm (a turn is only expected: it is confirmed again
+-- when it comes). `waiter`: the call holds a turn in line.
+local function conc_gates(c, gate, by, waiter, write)
+  local firm = true
+  for j, cc in ipairs(c.concs) do
+    local at = conc_gate(cc, c.token, c.now, waiter, write)
+    if at > gate then gate, by, firm = at, #c.logs + #c.cals + j, false end
+  end
+  return gate, by, firm
+end
+
+-- Write what the answer `status` (lib/call.lua) means: a start at `at` takes a slot, a
+-- reservation keeps a place in line.
+local function conc_commit(c, status, at)
+  -- a call with one concurrency limit and no other may be handed a turn (conc_hand)
+  local handy = #c.concs == 1 and #c.logs == 0 and #c.cals == 0
+  for _, cc in ipairs(c.concs) do
+    if status == 1 or status == 6 then
+      conc_take(cc, c.token, at)
+    elseif status == 2 or status == 3 then
+      conc_wait(cc, c.token, at, handy)
+    end
+  end
+end
+
+concurrency = {gate = conc_gates, commit = conc_commit, release = conc_release,
+  handed = conc_handed, renew = conc_renew}
 end
