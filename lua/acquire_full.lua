@@ -5,8 +5,9 @@
 --
 -- Composed for each call from what it declares (celery_ratelimit/_engine/scripts.py,
 -- Shape.script): an "@include ... if F" line is kept only in the script of a call with
--- the feature F, else replaced by the Lua after its "else". The script's name is this
--- file's with "+F" for each: "acquire_full+cal+conc".
+-- the feature F, else replaced by what follows its "else" (Lua, or a file), if anything.
+-- The script's name is this file's with "+F" for each: "acquire_full+log+cal+conc".
+--   log   sliding limits, the log's (lib/log.lua, lib/log_search.lua)
 --   cal   calendar-aligned limits (lib/calendar.lua)
 --   conc  concurrency limits (lib/concurrency.lua)
 --   fair  a reservation with a fair queue (lib/fair.lua): a call of one sliding limit
@@ -22,12 +23,12 @@
 --   "peek"     answer as "now" would, writing nothing
 
 --- @include "lib/call.lua"
---- @include "lib/log.lua"
---- @include "lib/log_search.lua"
+--- @include "lib/log.lua" if log else "lib/no_log.lua"
+--- @include "lib/log_search.lua" if log
 --- @include "lib/calendar.lua" if cal else local calendar = nil
 --- @include "lib/concurrency.lua" if conc else local concurrency = nil
---- @include "lib/fair.lua" if fair else local fair_place = nil
+--- @include "lib/fair.lua" if fair else local fair_reserve = nil
 --- @include "lib/reply.lua"
 --- @include "lib/acquire_body.lua"
 
-return acquire(read_call(KEYS, ARGV, true), calendar, concurrency, fair_place)
+return acquire(read_call(KEYS, ARGV, true), calendar, concurrency, fair_reserve)

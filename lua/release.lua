@@ -3,9 +3,9 @@
 -- future, and its concurrency slots or turns in line (its body has ended, or will not
 -- run). A slot a body gives back goes to the first waiter in line, in this call
 -- (lib/concurrency.lua, conc_hand). What it does: lib/release_body.lua.
--- Composed for each call as acquire_full.lua is: "+cal" with lib/calendar.lua for
--- calendar-aligned limits, "+conc" with lib/concurrency.lua for concurrency limits
--- ("release+cal+conc").
+-- Composed for each call as acquire_full.lua is: "+log" with the log's files for
+-- sliding log limits, "+cal" with lib/calendar.lua for calendar-aligned limits, "+conc"
+-- with lib/concurrency.lua for concurrency limits ("release+log+cal+conc").
 --
 -- KEYS and ARGV: a decision's (lib/call.lua). ARGV[2], the flag: the algorithm of the
 -- sliding limits, "log" or "counter" (whose windows hold no entry to give back).
@@ -13,8 +13,8 @@
 -- calls that waiter's copy in: park.lua, expedite).
 
 --- @include "lib/call.lua"
---- @include "lib/log.lua"
---- @include "lib/log_edit.lua"
+--- @include "lib/log.lua" if log else "lib/no_log.lua"
+--- @include "lib/log_edit.lua" if log
 --- @include "lib/calendar.lua" if cal else local calendar = nil
 --- @include "lib/concurrency.lua" if conc else local concurrency = nil
 --- @include "lib/reply.lua"

@@ -5,8 +5,8 @@
 -- alone. The counter keeps no entries: the difference is counted in its current window,
 -- if the call was counted in it. An aligned limit's entry weighs the real cost too (a
 -- concurrency limit has no cost). What it does: lib/settle_body.lua. Composed for each
--- call as acquire_full.lua is: "settle+cal", with lib/calendar.lua, for a call with
--- calendar-aligned limits.
+-- call as acquire_full.lua is: "+log" with lib/log.lua for sliding log limits, "+cal"
+-- with lib/calendar.lua for calendar-aligned limits ("settle+log+cal").
 --
 -- KEYS and ARGV: a decision's (lib/call.lua), its costs the real ones, then the weight
 -- each rate limit (sliding, then aligned) counted the call at. ARGV[2], the flag: the
@@ -14,7 +14,7 @@
 -- Reply: a decision's, status 7 (0: no entry of the call was found).
 
 --- @include "lib/call.lua"
---- @include "lib/log.lua"
+--- @include "lib/log.lua" if log else "lib/no_log.lua"
 --- @include "lib/calendar.lua" if cal else local calendar = nil
 --- @include "lib/reply.lua"
 --- @include "lib/settle_body.lua"

@@ -16,7 +16,7 @@ from .exceptions import InvalidLimit, LimiterUnavailable
 from .failures import check_versions, not_redis_error
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
-from .scripts import DEFAULT_HORIZON, FULL, Prepared, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, Prepared, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -445,5 +445,5 @@ class Limiter(KeyControls):
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
         if call.script == "acquire" and reply[0] == FULL:
-            return self._script_reply(call._replace(script="acquire_full"))
+            return self._script_reply(call._replace(script=ACQUIRE_FULL))
         return reply

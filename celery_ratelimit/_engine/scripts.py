@@ -9,9 +9,10 @@ has files of a readable size.
 
 A decision's script is composed from the features its call declares (:data:`COMPOSED`):
 a line ``--- @include "lib/calendar.lua" if cal else local calendar = nil`` is kept in
-the script of a call with calendar-aligned limits, and replaced by the Lua after
-``else`` in the others, so that a call runs a script holding only the code it needs.
-The script is named after its file with ``+`` and each feature: ``start+cal+conc``.
+the script of a call with calendar-aligned limits, and replaced by what follows
+``else`` (Lua, or another file) in the others, so that a call runs a script holding
+only the code it needs. The script is named after its file with ``+`` and each
+feature: ``start+log+cal+conc``.
 """
 
 from __future__ import annotations
@@ -31,18 +32,32 @@ from .exceptions import InvalidLimit
 from .limit import DEFAULT_LEASE, Concurrency, check_cost
 
 #: The features a decision's entry script is composed with (its ``@include ... if``
-#: lines): calendar-aligned limits, concurrency limits, a reservation's fair queue.
-FEATURES = ("cal", "conc", "fair")
+#: lines), in the order a name gives them: sliding log limits, calendar-aligned limits,
+#: concurrency limits, a reservation's fair queue.
+FEATURES = ("log", "cal", "conc", "fair")
+
+
+def _sets(*features: str) -> tuple[tuple[str, ...], ...]:
+    """Every subset of ``features`` but the empty one, in :data:`FEATURES` order."""
+    subsets: list[tuple[str, ...]] = [()]
+    for feature in features:
+        subsets += [(*one, feature) for one in subsets]
+    return tuple(one for one in subsets[1:])
+
+
 #: The entry scripts composed by feature, and every set of features a call can ask for
-#: (:meth:`Shape.script`). A settle has nothing to do for a concurrency limit; a fair
-#: queue orders the calls of one sliding limit, or of one Concurrency and nothing else.
+#: (:meth:`Shape.script`). A call has some limit; a counter's release or settle has no
+#: log to edit, nor a settle anything to do for a concurrency limit; a fair queue
+#: orders the calls of one sliding limit, or of one Concurrency and nothing else.
 COMPOSED: dict[str, tuple[tuple[str, ...], ...]] = {
-    "acquire_full": ((), ("fair",), ("cal",), ("conc",), ("conc", "fair"), ("cal", "conc")),
-    "start": ((), ("cal",), ("conc",), ("cal", "conc")),
-    "release": ((), ("cal",), ("conc",), ("cal", "conc")),
-    "settle": ((), ("cal",)),
-    "counter": ((), ("cal",), ("conc",), ("cal", "conc")),
+    "acquire_full": (*_sets("log", "cal", "conc"), ("log", "fair"), ("conc", "fair")),
+    "start": _sets("log", "cal", "conc"),
+    "release": ((), *_sets("log", "cal", "conc")),
+    "settle": ((), *_sets("log", "cal")),
+    "counter": ((), *_sets("cal", "conc")),
 }
+#: The script a call the plain ``acquire.lua`` leaves goes to (see :data:`FULL`).
+ACQUIRE_FULL = "acquire_full+log"
 #: The entry scripts, by the name a limiter's calls use.
 NAMES = (
     "acquire",
@@ -56,7 +71,8 @@ NAMES = (
     "index",
 )
 _INCLUDE = re.compile(
-    r'^--- @include "(lib/[a-z_]+\.lua)"(?: if ([a-z]+) else (local [a-z_]+ = nil))?$',
+    r'^--- @include "(lib/[a-z_]+\.lua)"'
+    r'(?: if ([a-z]+)(?: else (local [a-z_]+ = nil|"lib/[a-z_]+\.lua"))?)?$\n?',
     re.MULTILINE,
 )
 #: The reply of the plain ``acquire.lua`` to a call it leaves to ``acquire_full.lua``
@@ -72,7 +88,8 @@ DEFAULT_HORIZON = 3600.0
 def source(name: str) -> str:
     """The script ``name``: ``lua/<file>.lua`` for a name ``<file>+<feature>+...``, its
     ``@include`` lines replaced by those files (and theirs: ``lib/log.lua`` includes
-    ``lib/pace.lua``), those of a feature not named replaced by their ``else`` Lua."""
+    ``lib/pace.lua``), those of a feature not named by what follows their ``else`` (a
+    line of Lua, or a file), or by nothing."""
     if name not in NAMES:
         raise KeyError(name)
     file, *features = name.split("+")
@@ -80,8 +97,12 @@ def source(name: str) -> str:
     def include(match: re.Match[str]) -> str:
         path, feature, otherwise = match.groups()
         if feature is not None and feature not in features:
-            return str(otherwise)
-        return _read(path).rstrip("\n")
+            if otherwise is None:
+                return ""
+            if not otherwise.startswith('"'):
+                return otherwise + "\n"
+            path = otherwise.strip('"')
+        return _read(path).rstrip("\n") + "\n"
 
     text = _read(f"{file}.lua")
     while _INCLUDE.search(text):
@@ -189,6 +210,12 @@ class Shape:
         )
 
     @cached_property
+    def logged(self) -> bool:
+        """Has the call sliding limits of the log (not the counter)?"""
+        sliding = any(not isinstance(one, Concurrency) and one.align is None for one in self.limits)
+        return sliding and not self.counter
+
+    @cached_property
     def concurrent(self) -> bool:
         """Has the call concurrency limits?"""
         return any(isinstance(one, Concurrency) for one in self.limits)
@@ -213,6 +240,8 @@ class Shape:
             pass
         file = "acquire_full" if operation == "acquire" else operation
         features = []
+        if self.logged and operation != "counter":
+            features.append("log")
         if self.aligned:
             features.append("cal")
         if self.concurrent and operation != "settle":
@@ -221,7 +250,7 @@ class Shape:
         if fair and operation == "acquire" and (not self.gated or lone):
             features.append("fair")
         name = "+".join((file, *features))
-        if name == "acquire_full" and self.plain:
+        if name == ACQUIRE_FULL and self.plain:
             name = "acquire"
         if name not in NAMES:
             raise KeyError(f"no script decides {operation!r} for {features}")

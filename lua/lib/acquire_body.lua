@@ -2,7 +2,7 @@
 -- and reply): count the call `c` (lib/call.lua, read_call) now against every limit of
 -- its key, all or nothing, or reserve it. `cal`, `conc`: the functions of
 -- lib/calendar.lua and lib/concurrency.lua for a call with aligned or concurrency
--- limits (nil: it has none). `place`: lib/fair.lua's fair_place, for a call that
+-- limits (nil: it has none). `place`: lib/fair.lua's fair_reserve, for a call that
 -- takes its place in a fair queue (nil: it does not).
 --
 -- A call that does not fit counting every entry still starts now when it fits counting
@@ -74,25 +74,7 @@ local function acquire(c, cal, conc, place)
   local status, slot = 1, at
   if denied_by ~= 0 then status = (at - now > c.hold or not firm) and 2 or 6 end
   for _, k in ipairs(ks) do log_add(k, at, now) end
-  if status == 2 and c.fair and #ks == 1 and not cal and not conc then
-    -- a waiting call of a fair limit: its place among the waiting ones (lib/fair.lua)
-    local k = ks[1]
-    slot = place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
-      math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
-    -- a slot taken over within `hold` is a start there: only if it fits counting what
-    -- really started, as its confirm would be (lib/start_body.lua). Calls may have
-    -- taken the room of abandoned slots since it was placed; else it stays a
-    -- reservation, and its confirm places it
-    if slot - now <= c.hold and log_start_in(k, slot, now, c.hold) <= slot
-      and (not k.pace or log_start_in(pace_window(k), slot, now, c.hold) <= slot) then
-      status = 6
-    end
-  elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
-    -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
-    local cc = c.concs[1]
-    local keep = math.max(redis.call('PTTL', cc.h), 60000)
-    slot = place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
-  end
+  if status == 2 and place then status, slot = place(c, ks, at, now) end
   if status == 2 then
     for _, k in ipairs(ks) do log_pend(k, slot, now) end
   end

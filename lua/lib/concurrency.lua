@@ -26,9 +26,9 @@
 -- is free when its holder's body is expected to end. Turns keep their order, so a queue
 -- of waiters comes back one by one, not all at once.
 --
--- Included only for a call that declares concurrency limits (and by renew.lua): the file
--- defines one local, `concurrency`, the table of the functions its callers use (the rest
--- are local to its block).
+-- Included only in the script of a call that declares concurrency limits (renew.lua
+-- renews a lease by itself): the file defines one local, `concurrency`, the table of the
+-- functions its callers use (the rest are local to its block).
 
 local concurrency
 do
@@ -177,13 +177,6 @@ local function conc_release(cc, token, now, hand)
   return handed
 end
 
--- Renew the lease of the call's slot; false if it no longer holds one.
-local function conc_renew(cc, token, now)
-  if not redis.call('ZSCORE', cc.h, token) then return false end
-  redis.call('ZADD', cc.h, now + cc.lease, token)
-  return true
-end
-
 -- The earliest instant from `gate` (set by limit `by`, lib/call.lua's denied_by) the call
 -- `c` may start at as far as its concurrency limits say; the index of the limit that set
 -- it; and whether that instant is firm (a turn is only expected: it is confirmed again
@@ -212,5 +205,5 @@ local function conc_commit(c, status, at)
 end
 
 concurrency = {gate = conc_gates, commit = conc_commit, release = conc_release,
-  handed = conc_handed, renew = conc_renew}
+  handed = conc_handed}
 end
