@@ -35,6 +35,7 @@ from celery_ratelimit._engine.scripts import (
     COMPOSED,
     FEATURES,
     NAMES,
+    PRELOADED,
     shape,
     source,
 )
@@ -91,6 +92,14 @@ def test_a_composed_script_holds_the_code_of_its_features_only(name: str) -> Non
     assert header.startswith(f"-- {file}.lua — "), name
     assert all(line.startswith("--") or not line for line in header.splitlines()), name
     assert "KEYS" in header and "ARGV" in header and "eply" in header, name
+
+
+def test_every_script_compiles_and_the_plain_ones_load_first(limiter: Limiter) -> None:
+    client = limiter.client
+    for name in NAMES:
+        assert client.script_load(source(name)) == limiter._scripts[name].sha, name
+    assert "acquire_full+log" in PRELOADED
+    assert all(set(name.split("+")[1:]) <= {"log"} for name in PRELOADED)
 
 
 def test_a_call_runs_the_script_of_what_it_declares() -> None:

@@ -31,7 +31,7 @@ from .layout import (
 from .limit import CostSpec, KeySpec, LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
-from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PRELOADED, shape
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -224,8 +224,8 @@ class AsyncLimiter(LimiterBase):
             except redis.ResponseError:
                 info = {}  # a least-privilege user: the scripts' errors tell a server too old
             check_versions(info)
-            for script in self._scripts.values():
-                await self.client.script_load(script.script)
+            for name in PRELOADED:
+                await self.client.script_load(self._scripts[name].script)
         except REDIS_ERRORS as exc:
             raise self.translate(exc, self.failed_check()) from exc
         self._checked = True

@@ -70,6 +70,11 @@ NAMES = (
     "park",
     "index",
 )
+#: The scripts a limiter loads when it checks Redis (its first call): every one but the
+#: compositions with aligned or concurrency limits or a fair queue, which the first call
+#: sending one loads (EVALSHA, then SCRIPT LOAD on NOSCRIPT) so that Redis holds only
+#: those the limiter's calls declare.
+PRELOADED = tuple(name for name in NAMES if set(name.split("+")[1:]) <= {"log"})
 _INCLUDE = re.compile(
     r'^--- @include "(lib/[a-z_]+\.lua)"'
     r'(?: if ([a-z]+)(?: else (local [a-z_]+ = nil|"lib/[a-z_]+\.lua"))?)?$\n?',
