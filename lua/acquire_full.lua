@@ -23,6 +23,7 @@
 --   "peek"     answer as "now" would, writing nothing
 
 --- @include "lib/call.lua"
+--- @include "lib/seen.lua"
 --- @include "lib/log.lua" if log else "lib/no_log.lua"
 --- @include "lib/log_search.lua" if log
 --- @include "lib/calendar.lua" if cal else local calendar = nil

@@ -13,6 +13,7 @@
 -- Reply: a decision's (status 0 or 1).
 
 --- @include "lib/call.lua"
+--- @include "lib/seen.lua"
 --- @include "lib/pace.lua"
 --- @include "lib/calendar.lua" if cal else local calendar = nil
 --- @include "lib/concurrency.lua" if conc else local concurrency = nil

@@ -4,6 +4,9 @@ must write what it reads, and every key name it builds must read back."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +103,29 @@ def test_every_script_compiles_and_the_plain_ones_load_first(limiter: Limiter) -
         assert client.script_load(source(name)) == limiter._scripts[name].sha, name
     assert "acquire_full+log" in PRELOADED
     assert all(set(name.split("+")[1:]) <= {"log"} for name in PRELOADED)
+
+
+#: The globals Redis gives a script: any other name a script reads is one it does not
+#: define (a library a composition left out, a stand-in that forgot a name).
+REDIS_GLOBALS = {"redis", "KEYS", "ARGV", "math", "string", "table", "tonumber", "ipairs"}
+REDIS_GLOBALS |= {"tostring", "pairs", "unpack", "type", "error", "pcall", "next", "select"}
+
+
+@pytest.mark.skipif(shutil.which("luac5.1") is None, reason="no luac5.1 (apt-get install lua5.1)")
+@pytest.mark.parametrize("name", NAMES)
+def test_a_script_reads_no_name_it_does_not_define(name: str, tmp_path: Path) -> None:
+    script = tmp_path / "script.lua"
+    script.write_text(source(name), encoding="utf-8")
+    listing = subprocess.run(
+        ["luac5.1", "-p", "-l", str(script)], capture_output=True, text=True, check=True
+    ).stdout
+    names = {
+        line.rsplit(";", 1)[-1].strip()
+        for line in listing.splitlines()
+        if "GETGLOBAL" in line or "SETGLOBAL" in line
+    }
+    assert names <= REDIS_GLOBALS, (name, names - REDIS_GLOBALS)
+    assert "SETGLOBAL" not in listing, name
 
 
 def test_a_call_runs_the_script_of_what_it_declares() -> None:
