@@ -2,10 +2,10 @@
 -- its pending slots still in the future), its aligned-window entries still in the
 -- future, and its concurrency slots or turns in line (its body has ended, or will not
 -- run). A slot a body gives back goes to the first waiter in line, in this call
--- (lib/concurrency.lua, conc_hand). What it does: lib/release_body.lua.
+-- (lib/conc_release.lua, conc_hand). What it does: lib/release_body.lua.
 -- Composed for each call as acquire_full.lua is: "+log" with the log's files for
--- sliding log limits, "+cal" with lib/calendar.lua for calendar-aligned limits, "+conc"
--- with lib/concurrency.lua for concurrency limits ("release+log+cal+conc").
+-- sliding log limits, "+cal" with lib/cal_edit.lua for calendar-aligned limits, "+conc"
+-- with lib/conc_release.lua for concurrency limits ("release+log+cal+conc").
 --
 -- KEYS and ARGV: a decision's (lib/call.lua). ARGV[2], the flag: the algorithm of the
 -- sliding limits, "log" or "counter" (whose windows hold no entry to give back).
@@ -15,8 +15,8 @@
 --- @include "lib/call.lua"
 --- @include "lib/log.lua" if log else "lib/no_log.lua"
 --- @include "lib/log_edit.lua" if log
---- @include "lib/calendar.lua" if cal else local calendar = nil
---- @include "lib/concurrency.lua" if conc else local concurrency = nil
+--- @include "lib/cal_edit.lua" if cal else local calendar = nil
+--- @include "lib/conc_release.lua" if conc else local concurrency = nil
 --- @include "lib/reply.lua"
 --- @include "lib/release_body.lua"
 

@@ -6,7 +6,7 @@
 -- if the call was counted in it. An aligned limit's entry weighs the real cost too (a
 -- concurrency limit has no cost). What it does: lib/settle_body.lua. Composed for each
 -- call as acquire_full.lua is: "+log" with lib/log.lua for sliding log limits, "+cal"
--- with lib/calendar.lua for calendar-aligned limits ("settle+log+cal").
+-- with lib/cal_edit.lua for calendar-aligned limits ("settle+log+cal").
 --
 -- KEYS and ARGV: a decision's (lib/call.lua), its costs the real ones, then the weight
 -- each rate limit (sliding, then aligned) counted the call at. ARGV[2], the flag: the
@@ -15,7 +15,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/log.lua" if log else "lib/no_log.lua"
---- @include "lib/calendar.lua" if cal else local calendar = nil
+--- @include "lib/cal_edit.lua" if cal else local calendar = nil
 --- @include "lib/reply.lua"
 --- @include "lib/settle_body.lua"
 

@@ -1,12 +1,12 @@
 -- lib/release_body.lua — what release.lua does (its header: KEYS, ARGV, flag and reply)
 -- for the call `c` (lib/call.lua, read_call). `cal`, `conc`: the functions of
--- lib/calendar.lua and lib/concurrency.lua for a call with aligned or concurrency
+-- lib/cal_edit.lua and lib/conc_release.lua for a call with aligned or concurrency
 -- limits (nil: it has none).
 
 local function release(c, cal, conc)
   local log = c.flag == 'log'
   local now = c.now
-  -- a body that ends hands its slot to the first waiter (lib/concurrency.lua), not while
+  -- a body that ends hands its slot to the first waiter (lib/conc_release.lua), not while
   -- its key is paused
   local hand = read_settings(c) <= now
   local ks, cals, handed = {}, {}, {}

@@ -2,7 +2,7 @@
 -- limit of the call.
 
 -- The reply, with `remaining` and `reset_after` folded from every limit's state:
--- `logs` (lib/log.lua), `cals` (read with `lib`, lib/calendar.lua's functions, when
+-- `logs` (lib/log.lua), `cals` (read with `lib`, lib/cal_keys.lua's cal_state, when
 -- there are any) and `concs`; the counter gives its own (`counted`: {remaining, reset}
 -- or nil).
 local function reply(status, at, retry_after, denied_by, now, logs, lib, cals, concs, counted)

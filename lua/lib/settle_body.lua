@@ -1,6 +1,6 @@
 -- lib/settle_body.lua — what settle.lua does (its header: KEYS, ARGV, flag and reply)
 -- for the call `c` (lib/call.lua, read_call) whose ARGV is `argv` (the weights the call
--- was counted at follow its numbers). `cal`: the functions of lib/calendar.lua for a
+-- was counted at follow its numbers). `cal`: the functions of lib/cal_edit.lua for a
 -- call with aligned limits (nil: it has none).
 
 local function settle(c, argv, cal)

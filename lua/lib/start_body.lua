@@ -39,7 +39,7 @@ local function start(c, cal, conc)
 
   if #ks == 0 then
     -- only aligned and concurrency limits: their gate decides. A turn handed over to this
-    -- call (lib/concurrency.lua, conc_hand) is its own: it starts now, on its full lease.
+    -- call (lib/conc_release.lua, conc_hand) is its own: it starts now, on its full lease.
     if reserved and not paused and #c.concs == 1 and #c.cals == 0
       and conc.handed(c.concs[1], c.token) then
       return answer(1, now, 0, 0)
