@@ -56,7 +56,7 @@ def _send(
         for (script, flag), cost, token in calls[start : start + BATCH]:
             options = shape((limit,), cost, MAX_HORIZON, 0.03, 0.2)
             call = limiter._decision_call(script, flag, key, options, token.hex())
-            sha = limiter._scripts[script].sha
+            sha = limiter._scripts[call.script].sha
             pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
         replies += pipe.execute()
     return replies
@@ -174,7 +174,7 @@ def confirm_due(client: redis.Redis, limiter: Limiter, limits: tuple[int, ...]) 
             for (_, c, token), reply in list(zip(reserved, replies, strict=True))[: min(DUE, size)]
         ]
     due.sort()
-    sha = limiter._scripts["start"].sha
+    sha = limiter._scripts[shape((Limit("10/s"),), 1).script("start")].sha
     before = client.config_get("slowlog-*")
     client.config_set("slowlog-log-slower-than", 0)
     client.config_set("slowlog-max-len", 100_000)

@@ -1,9 +1,21 @@
--- acquire.lua — count a call now against every limit of its key, all or nothing, for a
--- call whose rate limits are all sliding logs (acquire_fair.lua: a reservation of a fair
--- limit; acquire_gated.lua: a call with aligned or concurrency limits too). The
--- decision: lib/acquire_body.lua.
+-- acquire_full.lua — count a call now against every limit of its key, all or nothing, or
+-- reserve it: every acquisition the plain acquire.lua does not decide (pace, a lead,
+-- weights, an observed upstream, an abandoned slot; acquire.lua's header names them).
+-- The decision: lib/acquire_body.lua.
 --
--- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
+-- Composed for each call from what it declares (celery_ratelimit/_engine/scripts.py,
+-- Shape.script): an "@include ... if F" line is kept only in the script of a call with
+-- the feature F, else replaced by what follows its "else" (Lua, or a file), if anything.
+-- The script's name is this file's with "+F" for each: "acquire_full+log+cal+conc".
+--   log   sliding limits, the log's (lib/log.lua, lib/log_search.lua)
+--   cal   calendar-aligned limits (lib/calendar.lua)
+--   conc  concurrency limits (lib/concurrency.lua)
+--   fair  a reservation with a fair queue (lib/fair.lua): a call of one sliding limit
+--         takes its place among the waiting calls of its key, a call of one
+--         Concurrency and nothing else its turn among the waiters
+--
+-- KEYS, ARGV and reply: a decision's (lib/call.lua), with a fair queue for "+fair".
+-- ARGV[2], the flag:
 --   "now"      count it now, or deny (status 1 or 0)
 --   "reserve"  count it now, else at the earliest instant it fits, no further ahead
 --              than the horizon: a reservation (status 2, its slot also kept in the
@@ -11,9 +23,13 @@
 --   "peek"     answer as "now" would, writing nothing
 
 --- @include "lib/call.lua"
---- @include "lib/log.lua"
---- @include "lib/log_search.lua"
+--- @include "lib/seen.lua"
+--- @include "lib/log.lua" if log else "lib/no_log.lua"
+--- @include "lib/log_search.lua" if log
+--- @include "lib/calendar.lua" if cal else local calendar = nil
+--- @include "lib/concurrency.lua" if conc else local concurrency = nil
+--- @include "lib/fair.lua" if fair else local fair_reserve = nil
 --- @include "lib/reply.lua"
 --- @include "lib/acquire_body.lua"
 
-return acquire(read_call(KEYS, ARGV, true), nil, nil)
+return acquire(read_call(KEYS, ARGV, true), calendar, concurrency, fair_reserve)

@@ -1,7 +1,8 @@
 -- start.lua — start the call whose token is ARGV[1]: a reserved task that came back for
--- its slot, or a grant whose reply was read late; its rate limits are all sliding logs
--- (start_gated.lua: one with aligned or concurrency limits too). The start:
--- lib/start_body.lua.
+-- its slot, or a grant whose reply was read late. The start: lib/start_body.lua.
+-- Composed for each call as acquire_full.lua is: "+log" with the log's files for
+-- sliding limits, "+cal" with lib/calendar.lua for calendar-aligned limits, "+conc"
+-- with lib/concurrency.lua for concurrency limits ("start+log+cal+conc").
 --
 -- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
 --   "reserved"  the token is a reservation a message carries (a deferred task). Not
@@ -15,10 +16,12 @@
 --               not paused when it was granted.
 
 --- @include "lib/call.lua"
---- @include "lib/log.lua"
---- @include "lib/log_edit.lua"
---- @include "lib/log_search.lua"
+--- @include "lib/log.lua" if log else "lib/no_log.lua"
+--- @include "lib/log_edit.lua" if log
+--- @include "lib/log_search.lua" if log
+--- @include "lib/calendar.lua" if cal else local calendar = nil
+--- @include "lib/concurrency.lua" if conc else local concurrency = nil
 --- @include "lib/reply.lua"
 --- @include "lib/start_body.lua"
 
-return start(read_call(KEYS, ARGV, true), nil)
+return start(read_call(KEYS, ARGV, true), calendar, concurrency)

@@ -4,6 +4,9 @@ must write what it reads, and every key name it builds must read back."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +33,15 @@ from celery_ratelimit._engine.layout import (
     parse_override,
     redis_key,
 )
-from celery_ratelimit._engine.scripts import GATED, shape, source
+from celery_ratelimit._engine.scripts import (
+    ACQUIRE_FULL,
+    COMPOSED,
+    FEATURES,
+    NAMES,
+    PRELOADED,
+    shape,
+    source,
+)
 from celery_ratelimit._tools.cli import run_set
 from celery_ratelimit._tools.ops import key_settings, key_status
 
@@ -42,40 +53,108 @@ def lua_constant(script: str, name: str) -> float:
 
 
 def test_the_scripts_share_the_layouts_constants() -> None:
-    for name in ("acquire", "acquire_full"):
+    full = ACQUIRE_FULL
+    for name in ("acquire", full):
         assert lua_constant(name, "ENTRY_FLOOR") == ENTRY_FLOOR
-        assert lua_constant(name, "PRUNE_BATCH") == lua_constant("acquire_full", "PRUNE_BATCH")
-        assert lua_constant(name, "TTL_MARGIN_MS") == lua_constant("acquire_full", "TTL_MARGIN_MS")
-    assert lua_constant("acquire_full", "TOKEN_LEN") == TOKEN_LEN
+        assert lua_constant(name, "PRUNE_BATCH") == lua_constant(full, "PRUNE_BATCH")
+        assert lua_constant(name, "TTL_MARGIN_MS") == lua_constant(full, "TTL_MARGIN_MS")
+    assert lua_constant(full, "TOKEN_LEN") == TOKEN_LEN
     members = ", ".join(f"'{m}'" for m in META_MEMBERS)
-    assert f"redis.call('ZMSCORE', spec.key, {members})" in source("acquire_full")
+    assert f"redis.call('ZMSCORE', spec.key, {members})" in source(full)
     assert f"call('ZMSCORE', key, {members})" in source("acquire")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
-    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_gated")
-    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source("acquire_full")
+    assert f"return '{WINDOW_META}' .. string.format" in source("acquire_full+cal")
+    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source(full)
     assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
 
 
-def test_a_call_of_sliding_limits_runs_no_calendar_or_concurrency_code() -> None:
-    for name in GATED:
-        assert "local function gate_lib" not in source(name), name
-        assert "local function gate_lib" in source(f"{name}_gated"), name
-        assert "local function cal_" not in source(name), name
-        assert "local function conc_" not in source(name), name
-    assert "local function fair_place" not in source("acquire")
-    assert "local function fair_place" not in source("acquire_full")
-    assert "local function fair_place" in source("acquire_fair")
+#: What only the script of a call with each feature holds: the functions of its library.
+FEATURE_CODE = {
+    "log": ("local function log_prune", "local function log_free_at", "local PACE_MEMBER"),
+    "cal": ("local calendar\n", "local function cal_"),
+    "conc": ("local concurrency\n", "local function conc_"),
+    "fair": ("local function fair_place",),
+}
+
+
+@pytest.mark.parametrize("name", [one for one in NAMES if one.split("+")[0] in COMPOSED])
+def test_a_composed_script_holds_the_code_of_its_features_only(name: str) -> None:
+    file, *features = name.split("+")
+    text = source(name)
+    assert "--- @include" not in text, name
+    for feature in FEATURES:
+        for code in FEATURE_CODE[feature]:
+            if feature == "log" and file == "counter":
+                continue  # the counter's own pace (lib/pace.lua), never the log
+            if code == "local function log_free_at" and file in ("release", "settle"):
+                continue  # they edit the log, never search it
+            assert (code in text) == (feature in features), (name, code)
+    # its header first: what it is, then its KEYS, ARGV and reply, before any code
+    header = text[: text.index("\nlocal ")]
+    assert header.startswith(f"-- {file}.lua — "), name
+    assert all(line.startswith("--") or not line for line in header.splitlines()), name
+    assert "KEYS" in header and "ARGV" in header and "eply" in header, name
+
+
+def test_every_script_compiles_and_the_plain_ones_load_first(limiter: Limiter) -> None:
+    client = limiter.client
+    for name in NAMES:
+        assert client.script_load(source(name)) == limiter._scripts[name].sha, name
+    assert "acquire_full+log" in PRELOADED
+    assert all(set(name.split("+")[1:]) <= {"log"} for name in PRELOADED)
+
+
+#: The globals Redis gives a script: any other name a script reads is one it does not
+#: define (a library a composition left out, a stand-in that forgot a name).
+REDIS_GLOBALS = {"redis", "KEYS", "ARGV", "math", "string", "table", "tonumber", "ipairs"}
+REDIS_GLOBALS |= {"tostring", "pairs", "unpack", "type", "error", "pcall", "next", "select"}
+
+
+@pytest.mark.skipif(shutil.which("luac5.1") is None, reason="no luac5.1 (apt-get install lua5.1)")
+@pytest.mark.parametrize("name", NAMES)
+def test_a_script_reads_no_name_it_does_not_define(name: str, tmp_path: Path) -> None:
+    script = tmp_path / "script.lua"
+    script.write_text(source(name), encoding="utf-8")
+    listing = subprocess.run(
+        ["luac5.1", "-p", "-l", str(script)], capture_output=True, text=True, check=True
+    ).stdout
+    names = {
+        line.rsplit(";", 1)[-1].strip()
+        for line in listing.splitlines()
+        if "GETGLOBAL" in line or "SETGLOBAL" in line
+    }
+    assert names <= REDIS_GLOBALS, (name, names - REDIS_GLOBALS)
+    assert "SETGLOBAL" not in listing, name
+
+
+def test_a_call_runs_the_script_of_what_it_declares() -> None:
     plain, fair = shape((Limit("10/s"),), 1), True
-    assert (plain.script("acquire"), plain.script("acquire", fair)) == ("acquire", "acquire_fair")
+    assert plain.script("acquire") == "acquire"
     for full in (shape((Limit("10/s"),), 2), shape((Limit("10/s", burst=2),), 1)):
-        assert full.script("acquire") == "acquire_full"
-    for gated in (Limit("10/d", align="UTC"), Concurrency(2)):
-        both = shape((Limit("10/s"), gated), 1)
-        assert (both.script("start"), both.script("acquire", fair)) == (
-            "start_gated",
-            "acquire_gated",
-        )
+        assert full.script("acquire") == "acquire_full+log"
+    day, two = Limit("10/d", align="UTC"), Concurrency(2)
+    for limits, features in (
+        ((Limit("10/s"),), "+log"),
+        ((Limit("10/s"), day), "+log+cal"),
+        ((day,), "+cal"),
+        ((Limit("10/s"), two), "+log+conc"),
+        ((two,), "+conc"),
+        ((Limit("10/s"), day, two), "+log+cal+conc"),
+        ((day, two), "+cal+conc"),
+    ):
+        call = shape(limits, 2)
+        for operation in ("start", "release"):
+            assert call.script(operation) == operation + features
+        assert call.script("acquire") == "acquire_full" + features
+        assert call.script("settle") == "settle" + features.replace("+conc", "")
+        others = [one for one in limits if isinstance(one, Concurrency) or one.align]
+        counter = shape((Limit("10/s", algorithm="counter"), *others), 1)
+        assert counter.script("counter") == "counter" + features.replace("+log", "")
+        assert counter.script("release") == "release" + features.replace("+log", "")
+    # a fair queue orders one sliding limit's calls, or one Concurrency's alone
+    assert plain.script("acquire", fair) == "acquire_full+log+fair"
+    assert shape((two,), 1).script("acquire", fair) == "acquire_full+conc+fair"
 
 
 def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
@@ -90,11 +169,11 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     assert (status.used, status.reserved) == (4, 0)
     assert [weight for _, weight in log_entries(limiter.client, key)] == [1, 3]
     settings = f"redis.call('HMGET', key, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
-    assert settings in source("acquire_full")
+    assert settings in source(ACQUIRE_FULL)
     lean = f"call('HMGET', hash, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
     assert lean in source("acquire")
     assert f"'{UP_FIELD}', 1)" in source("observe")
-    assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source("acquire_full")
+    assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source(ACQUIRE_FULL)
     assert f"'{EFF_FIELD}' .. string.match" in source("observe")
 
 

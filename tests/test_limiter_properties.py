@@ -16,6 +16,7 @@ from celery_ratelimit import Limit, Limiter
 from celery_ratelimit._engine.decision import token_bytes_of
 from celery_ratelimit._engine.keys import MAX_KEY, escape_part, render
 from celery_ratelimit._engine.layout import PENDING, redis_key
+from celery_ratelimit._engine.scripts import ACQUIRE_FULL
 from tests.calls import CONFIRM, RESERVE, RESTAMP, decide
 from tests.log_reader import ENTRY_FLOOR, entries, sleep_until, total, weight_after, weight_of
 from tests.measure import max_weight_in_window, us
@@ -82,7 +83,7 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     for cost, wait_ms, reserve, full in ops:
         cost = 1 if uniform else cost
         time.sleep(wait_ms / 1000)
-        limiter._scripts["acquire"] = limiter._scripts["acquire_full"] if full else plain
+        limiter._scripts["acquire"] = limiter._scripts[ACQUIRE_FULL] if full else plain
         try:
             d = limiter.acquire(name, RATE, cost=cost, reserve=reserve)
         finally:

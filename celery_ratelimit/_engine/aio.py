@@ -31,7 +31,7 @@ from .layout import (
 from .limit import CostSpec, KeySpec, LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
-from .scripts import DEFAULT_HORIZON, FULL, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PRELOADED, shape
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -224,8 +224,8 @@ class AsyncLimiter(LimiterBase):
             except redis.ResponseError:
                 info = {}  # a least-privilege user: the scripts' errors tell a server too old
             check_versions(info)
-            for script in self._scripts.values():
-                await self.client.script_load(script.script)
+            for name in PRELOADED:
+                await self.client.script_load(self._scripts[name].script)
         except REDIS_ERRORS as exc:
             raise self.translate(exc, self.failed_check()) from exc
         self._checked = True
@@ -245,7 +245,7 @@ class AsyncLimiter(LimiterBase):
         try:
             reply = await self._scripts[call.script](keys=call.keys, args=call.args)
             if call.script == "acquire" and reply[0] == FULL:
-                return await self._scripts["acquire_full"](keys=call.keys, args=call.args)
+                return await self._scripts[ACQUIRE_FULL](keys=call.keys, args=call.args)
             return reply
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc

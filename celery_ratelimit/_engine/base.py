@@ -152,9 +152,10 @@ class LimiterBase:
         token: str | None = None,
         redis_keys: list[str] | None = None,
     ) -> ScriptCall:
-        """The call of the decision ``script`` (one of ``scripts.GATED``: the shape
-        picks its entry script) with ``flag`` (see its header) for ``key``: a code-given
-        key, or escaped keys, one per limit (as :meth:`keys_for` takes them); or, when
+        """The call of the decision ``script`` (``"acquire"``, ``"start"``, ``"release"``,
+        ``"settle"`` or ``"counter"``: the shape picks its entry script, see
+        ``Shape.script``) with ``flag`` (see its header) for ``key``: a code-given key,
+        or escaped keys, one per limit (as :meth:`keys_for` takes them); or, when
         ``redis_keys`` are given (from :meth:`keys_for`, or found by a scan), for them."""
         if redis_keys is None:
             keys = self._prepared(key, shape)
@@ -420,7 +421,7 @@ class LimiterBase:
         call's token carries after its hex digits, when known (``decision.token_of``)."""
         status, remaining, retry_us, reset_us, denied_by, at_us = reply  # integers
         if status == SPENT:
-            raise RuntimeError(f"lua/{call.script}.lua answered 'spent' to {call.args[1]!r}")
+            raise RuntimeError(f"script {call.script} answered 'spent' to {call.args[1]!r}")
         limits = call.limits
         reserved = status in (RESERVED, NOT_YET_DUE)
         allowed = status in (ALLOWED, STARTS_AT, SETTLED)

@@ -16,7 +16,7 @@ from .exceptions import InvalidLimit, LimiterUnavailable
 from .failures import check_versions, not_redis_error
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
-from .scripts import DEFAULT_HORIZON, FULL, Prepared, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PRELOADED, Prepared, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -339,7 +339,8 @@ class Limiter(KeyControls):
 
     def check(self) -> None:
         """Check that Redis can serve this limiter: reachable, the credentials accepted,
-        version 6.2 or newer (when the user may read ``INFO``), both scripts loaded.
+        version 6.2 or newer (when the user may read ``INFO``), the scripts of
+        ``scripts.PRELOADED`` loaded (the others load at their first call).
 
         Run by the first decision of every limiter (so a worker meets a misconfigured
         Redis at its first task, with one clear error); again after a failure.
@@ -356,8 +357,8 @@ class Limiter(KeyControls):
                 # own errors will tell a server too old
                 info = {}
             check_versions(info)
-            for script in self._scripts.values():
-                self.client.script_load(script.script)
+            for name in PRELOADED:
+                self.client.script_load(self._scripts[name].script)
         except REDIS_ERRORS as exc:
             error = self.translate(exc, self.failed_check())
             if isinstance(error, LimiterUnavailable) and isinstance(exc, redis.ConnectionError):
@@ -435,5 +436,5 @@ class Limiter(KeyControls):
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
         if call.script == "acquire" and reply[0] == FULL:
-            return self._script_reply(call._replace(script="acquire_full"))
+            return self._script_reply(call._replace(script=ACQUIRE_FULL))
         return reply

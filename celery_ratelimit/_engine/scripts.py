@@ -2,12 +2,17 @@
 arguments a decision sends them.
 
 One entry script per operation (``lua/acquire.lua``, ``start.lua``, ``release.lua``,
-...), each opening with its KEYS, ARGV and reply; a decision of a call with
-calendar-aligned or concurrency limits has its own (``acquire_gated.lua``, ...), so that
-a call of sliding rate limits only runs a script holding none of their code. They share
-Lua functions with parameters, kept in ``lua/lib/``: a line ``--- @include
-"lib/log.lua"`` is replaced by that file's text (as BullMQ's scripts do), so that Redis
-runs one script while a reader has files of a readable size.
+...), each opening with its KEYS, ARGV and reply. They share Lua functions with
+parameters, kept in ``lua/lib/``: a line ``--- @include "lib/log.lua"`` is replaced by
+that file's text (as BullMQ's scripts do), so that Redis runs one script while a reader
+has files of a readable size.
+
+A decision's script is composed from the features its call declares (:data:`COMPOSED`):
+a line ``--- @include "lib/calendar.lua" if cal else local calendar = nil`` is kept in
+the script of a call with calendar-aligned limits, and replaced by what follows
+``else`` (Lua, or another file) in the others, so that a call runs a script holding
+only the code it needs. The script is named after its file with ``+`` and each
+feature: ``start+log+cal+conc``.
 """
 
 from __future__ import annotations
@@ -26,15 +31,37 @@ from .calendar import boundaries, zone_of
 from .exceptions import InvalidLimit
 from .limit import DEFAULT_LEASE, Concurrency, check_cost
 
-#: The decisions that have a second entry script, ``<name>_gated``, for a call with
-#: calendar-aligned or concurrency limits (see :meth:`Shape.script`).
-GATED = ("acquire", "start", "release", "settle", "counter")
+#: The features a decision's entry script is composed with (its ``@include ... if``
+#: lines), in the order a name gives them: sliding log limits, calendar-aligned limits,
+#: concurrency limits, a reservation's fair queue.
+FEATURES = ("log", "cal", "conc", "fair")
+
+
+def _sets(*features: str) -> tuple[tuple[str, ...], ...]:
+    """Every subset of ``features`` but the empty one, in :data:`FEATURES` order."""
+    subsets: list[tuple[str, ...]] = [()]
+    for feature in features:
+        subsets += [(*one, feature) for one in subsets]
+    return tuple(one for one in subsets[1:])
+
+
+#: The entry scripts composed by feature, and every set of features a call can ask for
+#: (:meth:`Shape.script`). A call has some limit; a counter's release or settle has no
+#: log to edit, nor a settle anything to do for a concurrency limit; a fair queue
+#: orders the calls of one sliding limit, or of one Concurrency and nothing else.
+COMPOSED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "acquire_full": (*_sets("log", "cal", "conc"), ("log", "fair"), ("conc", "fair")),
+    "start": _sets("log", "cal", "conc"),
+    "release": ((), *_sets("log", "cal", "conc")),
+    "settle": ((), *_sets("log", "cal")),
+    "counter": ((), *_sets("cal", "conc")),
+}
+#: The script a call the plain ``acquire.lua`` leaves goes to (see :data:`FULL`).
+ACQUIRE_FULL = "acquire_full+log"
 #: The entry scripts, by the name a limiter's calls use.
 NAMES = (
-    *GATED,
-    *(f"{name}_gated" for name in GATED),
-    "acquire_full",
-    "acquire_fair",
+    "acquire",
+    *("+".join((file, *features)) for file, sets in COMPOSED.items() for features in sets),
     "renew",
     "pause",
     "resume",
@@ -43,7 +70,16 @@ NAMES = (
     "park",
     "index",
 )
-_INCLUDE = re.compile(r'^--- @include "(lib/[a-z_]+\.lua)"$', re.MULTILINE)
+#: The scripts a limiter loads when it checks Redis (its first call): every one but the
+#: compositions with aligned or concurrency limits or a fair queue, which the first call
+#: sending one loads (EVALSHA, then SCRIPT LOAD on NOSCRIPT) so that Redis holds only
+#: those the limiter's calls declare.
+PRELOADED = tuple(name for name in NAMES if set(name.split("+")[1:]) <= {"log"})
+_INCLUDE = re.compile(
+    r'^--- @include "(lib/[a-z_]+\.lua)"'
+    r'(?: if ([a-z]+)(?: else (local [a-z_]+ = nil|"lib/[a-z_]+\.lua"))?)?$\n?',
+    re.MULTILINE,
+)
 #: The reply of the plain ``acquire.lua`` to a call it leaves to ``acquire_full.lua``
 #: (a key an upstream was observed on, entries of other weights, an abandoned slot).
 FULL = 8
@@ -55,13 +91,27 @@ DEFAULT_HORIZON = 3600.0
 
 @cache
 def source(name: str) -> str:
-    """The script ``lua/<name>.lua``, its ``@include`` lines replaced by those files (and
-    theirs: ``lib/gate.lua`` includes the functions it builds)."""
+    """The script ``name``: ``lua/<file>.lua`` for a name ``<file>+<feature>+...``, its
+    ``@include`` lines replaced by those files (and theirs: ``lib/log.lua`` includes
+    ``lib/pace.lua``), those of a feature not named by what follows their ``else`` (a
+    line of Lua, or a file), or by nothing."""
     if name not in NAMES:
         raise KeyError(name)
-    text = _read(f"{name}.lua")
+    file, *features = name.split("+")
+
+    def include(match: re.Match[str]) -> str:
+        path, feature, otherwise = match.groups()
+        if feature is not None and feature not in features:
+            if otherwise is None:
+                return ""
+            if not otherwise.startswith('"'):
+                return otherwise + "\n"
+            path = otherwise.strip('"')
+        return _read(path).rstrip("\n") + "\n"
+
+    text = _read(f"{file}.lua")
     while _INCLUDE.search(text):
-        text = _INCLUDE.sub(lambda m: _read(m.group(1)).rstrip("\n"), text)
+        text = _INCLUDE.sub(include, text)
     return text
 
 
@@ -165,22 +215,52 @@ class Shape:
         )
 
     @cached_property
+    def logged(self) -> bool:
+        """Has the call sliding limits of the log (not the counter)?"""
+        sliding = any(not isinstance(one, Concurrency) and one.align is None for one in self.limits)
+        return sliding and not self.counter
+
+    @cached_property
+    def concurrent(self) -> bool:
+        """Has the call concurrency limits?"""
+        return any(isinstance(one, Concurrency) for one in self.limits)
+
+    @cached_property
     def gated(self) -> bool:
-        """Has the call calendar-aligned or concurrency limits? Its decisions then run the
-        ``_gated`` entry scripts, the only ones holding their code."""
-        return bool(self.aligned) or any(isinstance(one, Concurrency) for one in self.limits)
+        """Has the call calendar-aligned or concurrency limits?"""
+        return bool(self.aligned) or self.concurrent
+
+    @cached_property
+    def _scripts(self) -> dict[tuple[str, bool], str]:
+        return {}
 
     def script(self, operation: str, fair: bool = False) -> str:
-        """The entry script that decides ``operation`` (one of :data:`GATED`) for this
-        call; ``fair``: an acquire sent with a fair queue (``acquire_fair``, unless
-        gated)."""
-        if self.gated:
-            return f"{operation}_gated"
-        if fair:
-            return f"{operation}_fair"
-        if operation == "acquire" and not self.plain:
-            return "acquire_full"
-        return operation
+        """The entry script that decides ``operation`` (``"acquire"``, or a key of
+        :data:`COMPOSED`) for this call: the plain ``acquire``, or the operation's script
+        composed with the features the call declares (see :data:`COMPOSED`). ``fair``:
+        an acquire sent with a fair queue."""
+        try:
+            return self._scripts[operation, fair]
+        except KeyError:
+            pass
+        file = "acquire_full" if operation == "acquire" else operation
+        features = []
+        if self.logged and operation != "counter":
+            features.append("log")
+        if self.aligned:
+            features.append("cal")
+        if self.concurrent and operation != "settle":
+            features.append("conc")
+        lone = len(self.limits) == 1 and isinstance(self.limits[0], Concurrency)
+        if fair and operation == "acquire" and (not self.gated or lone):
+            features.append("fair")
+        name = "+".join((file, *features))
+        if name == ACQUIRE_FULL and self.plain:
+            name = "acquire"
+        if name not in NAMES:
+            raise KeyError(f"no script decides {operation!r} for {features}")
+        self._scripts[operation, fair] = name
+        return name
 
     @cached_property
     def plain(self) -> bool:

@@ -1,9 +1,9 @@
--- lib/acquire_body.lua — the decision of acquire.lua, acquire_fair.lua and
--- acquire_gated.lua (their header: KEYS, ARGV, flags and reply): count the call `c`
--- (lib/call.lua, read_call) now against every limit of its key, all or nothing, or
--- reserve it. `gates`: the functions of lib/gate.lua (gate_lib) for a call with aligned
--- or concurrency limits, nil for a call with sliding limits only. `place`:
--- lib/fair.lua's fair_place, for a script that may be sent a fair queue (nil: none is).
+-- lib/acquire_body.lua — the decision of acquire_full.lua (its header: KEYS, ARGV, flags
+-- and reply): count the call `c` (lib/call.lua, read_call) now against every limit of
+-- its key, all or nothing, or reserve it. `cal`, `conc`: the functions of
+-- lib/calendar.lua and lib/concurrency.lua for a call with aligned or concurrency
+-- limits (nil: it has none). `place`: lib/fair.lua's fair_reserve, for a call that
+-- takes its place in a fair queue (nil: it does not).
 --
 -- A call that does not fit counting every entry still starts now when it fits counting
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
@@ -15,23 +15,23 @@
 -- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
 -- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
 
-local function acquire(c, gates, place)
+local function acquire(c, cal, conc, place)
   local now, write = c.now, c.flag ~= 'peek'
   local gate, gate_by = read_settings(c, true)
   local ks, cals, firm = {}, {}, true
   for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, write) end
-  if gates then
-    cals = gates.open_cals(c, write, false)
-    gate, gate_by, firm = gates.at(c, c.concs, cals, gate, gate_by, false, write)
-  end
+  if cal then cals = cal.open_all(c, write, false) end
+  if conc then gate, gate_by, firm = conc.gate(c, gate, gate_by, false, write) end
+  if cal then gate, gate_by = cal.gate(c, cals, gate, gate_by) end
 
   local function answer(status, at, retry_after, denied_by)
     if write then
       for _, k in ipairs(ks) do log_flush(k) end
-      if gates then gates.commit(c, cals, status, at) end
+      if conc then conc.commit(c, status, at) end
+      if cal then cal.commit(cals, status, at, now) end
       if status == 1 or status == 2 or status == 6 then seen_take(c, at) end
     end
-    return reply(status, at, retry_after, denied_by, now, ks, gates, cals, c.concs)
+    return reply(status, at, retry_after, denied_by, now, ks, cal, cals, c.concs)
   end
 
   if gate == now then
@@ -62,10 +62,7 @@ local function acquire(c, gates, place)
     if s > at then at, denied_by = s, i end
   end
   if gate > at then at, denied_by = gate, gate_by end
-  if #cals > 0 then
-    local s, by = gates.cal_at(cals, at, now, c.horizon)
-    if s > at then at, denied_by = s, #ks + by end
-  end
+  if cal then at, denied_by = cal.gate(c, cals, at, denied_by) end
 
   if c.flag == 'peek' then
     if denied_by == 0 then return answer(1, now, 0, 0) end
@@ -77,25 +74,7 @@ local function acquire(c, gates, place)
   local status, slot = 1, at
   if denied_by ~= 0 then status = (at - now > c.hold or not firm) and 2 or 6 end
   for _, k in ipairs(ks) do log_add(k, at, now) end
-  if status == 2 and c.fair and #ks == 1 and not gates then
-    -- a waiting call of a fair limit: its place among the waiting ones (lib/fair.lua)
-    local k = ks[1]
-    slot = place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
-      math.ceil((at + k.window - now) / 1000) + TTL_MARGIN_MS)
-    -- a slot taken over within `hold` is a start there: only if it fits counting what
-    -- really started, as its confirm would be (lib/start_body.lua). Calls may have
-    -- taken the room of abandoned slots since it was placed; else it stays a
-    -- reservation, and its confirm places it
-    if slot - now <= c.hold and log_start_in(k, slot, now, c.hold) <= slot
-      and (not k.pace or log_start_in(pace_window(k), slot, now, c.hold) <= slot) then
-      status = 6
-    end
-  elseif status == 2 and c.fair and #ks == 0 and #c.cals == 0 and #c.concs == 1 then
-    -- a fair Concurrency: its turn among the waiters' (kept as its keys are)
-    local cc = c.concs[1]
-    local keep = math.max(redis.call('PTTL', cc.h), 60000)
-    slot = place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
-  end
+  if status == 2 and place then status, slot = place(c, ks, at, now) end
   if status == 2 then
     for _, k in ipairs(ks) do log_pend(k, slot, now) end
   end

@@ -138,7 +138,7 @@ end
 -- What an upstream said of a limit (its "seen:" field, "r t l lu") applies too: a limit
 -- of l units observed lowers the limit to l until lu; and with `observed`, r units left
 -- until t hold the call back until t when its cost does not fit them (that limit's
--- index in replies), the limit being put in c.seen for seen_take. An effective rate
+-- index in replies), the limit being put in c.seen for seen_take (lib/seen.lua). An effective rate
 -- ("eff:" field, "e cut step": e units a window at the instant cut, step more for each
 -- whole window since) lowers the limit while below it. Those two fields are read only
 -- from a hash whose "up" field says an upstream was observed on the key: a key nothing
@@ -166,17 +166,4 @@ local function read_settings(c, observed)
     if s[3] and spec then gate, by = read_seen(c, spec, key, i, observed, gate, by) end
   end
   return gate, by
-end
-
--- Take the call's cost from what the upstream said is left of each limit in c.seen
--- (read_settings), when the instant `at` the call counts at comes before its reset.
-local function seen_take(c, at)
-  if not c.seen then return end
-  for _, spec in ipairs(c.seen) do
-    local b = spec.seen
-    if at < b.t then
-      b.r = math.max(b.r - spec.cost, 0)
-      redis.call('HSET', b.key, b.field, string.format('%.0f %.0f %.0f %.0f', b.r, b.t, b.l, b.lu))
-    end
-  end
 end

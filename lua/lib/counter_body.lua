@@ -1,8 +1,7 @@
--- lib/counter_body.lua — the decision of counter.lua and counter_gated.lua (their
--- header: KEYS, ARGV, flag and reply): count the call `c` (lib/call.lua, read_call) now
--- by the approximate sliding window, or deny it. `gates`: the functions of lib/gate.lua
--- (gate_lib) for a call with aligned or concurrency limits, nil for a call with sliding
--- limits only.
+-- lib/counter_body.lua — the decision of counter.lua (its header: KEYS, ARGV, flag and
+-- reply): count the call `c` (lib/call.lua, read_call) now by the approximate sliding
+-- window, or deny it. `cal`, `conc`: the functions of lib/calendar.lua and
+-- lib/concurrency.lua for a call with aligned or concurrency limits (nil: it has none).
 --
 -- Estimate at time now, e µs into the current window of length W:
 --     estimate(now) = p * (W - e) / W + c
@@ -14,14 +13,13 @@
 
 local TTL_MARGIN_MS = 1000
 
-local function counter(c, gates)
+local function counter(c, cal, conc)
   local now, write = c.now, c.flag ~= 'peek'
   local gate, gate_by = read_settings(c, true)
   local cals = {}
-  if gates then
-    cals = gates.open_cals(c, write, false)
-    gate, gate_by = gates.at(c, c.concs, cals, gate, gate_by, false, write)
-  end
+  if cal then cals = cal.open_all(c, write, false) end
+  if conc then gate, gate_by = conc.gate(c, gate, gate_by, false, write) end
+  if cal then gate, gate_by = cal.gate(c, cals, gate, gate_by) end
 
   -- Each limit's windows now, and the instant its cost fits.
   local at, denied_by, remaining, reset = now, 0, nil, 0
@@ -68,14 +66,11 @@ local function counter(c, gates)
     counters[i] = {wid = wid, cur = cur, prev = prev, pace = pace}
   end
   if gate > at then at, denied_by = gate, gate_by end
-  if #cals > 0 then
-    local s, by = gates.cal_at(cals, at, now, c.horizon)
-    if s > at then at, denied_by = s, #c.logs + by end
-  end
+  if cal then at, denied_by = cal.gate(c, cals, at, denied_by) end
 
   if denied_by ~= 0 or not write then
     local status = denied_by == 0 and 1 or 0
-    return reply(status, now, at - now, denied_by, now, {}, gates, cals, c.concs,
+    return reply(status, now, at - now, denied_by, now, {}, cal, cals, c.concs,
       {remaining, reset})
   end
 
@@ -96,7 +91,8 @@ local function counter(c, gates)
     local free = math.floor(spec.limit - estimate)
     if remaining == nil or free < remaining then remaining = free end
   end
-  if gates then gates.commit(c, cals, 1, now) end
+  if conc then conc.commit(c, 1, now) end
+  if cal then cal.commit(cals, 1, now, now) end
   seen_take(c, now)
-  return reply(1, now, 0, 0, now, {}, gates, cals, c.concs, {remaining, reset})
+  return reply(1, now, 0, 0, now, {}, cal, cals, c.concs, {remaining, reset})
 end

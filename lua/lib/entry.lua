@@ -7,6 +7,11 @@
 local ENTRY_FLOOR = 1e13
 local TOKEN_LEN = 8
 
+-- An instant as a score bound: all its digits, never an exponent.
+local function us(x)
+  return string.format('%.0f', x)
+end
+
 -- The weight the entry `member` counts for.
 local function weight_of(member)
   if #member > TOKEN_LEN then return tonumber(string.sub(member, TOKEN_LEN + 2)) end

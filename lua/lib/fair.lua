@@ -33,10 +33,6 @@
 local FAIR_SCAN = 1000
 local FAIR_PRUNE = 200
 
-local function fair_us(x)
-  return string.format('%.0f', x)
-end
-
 -- The virtual time V of the queue `fair` ({tags, state, value, weight}) whose log's
 -- pending set is `pending`: never below the stored one, raised to the tag of the call
 -- holding the earliest slot still to come (`first`); the calls below it that left
@@ -68,7 +64,7 @@ end
 -- entry and pending slot moved to `at`). `ttl_ms`: how long the queue is kept (as the
 -- pending set). A Concurrency's turns: `pending` is its waiters, `key` nil (no log).
 local function fair_place(fair, key, pending, member, cost, at, now, ttl_ms)
-  local first = redis.call('ZRANGEBYSCORE', pending, '(' .. fair_us(now), '+inf', 'LIMIT', 0, 1)
+  local first = redis.call('ZRANGEBYSCORE', pending, '(' .. us(now), '+inf', 'LIMIT', 0, 1)
   if #first == 0 then redis.call('DEL', fair.tags, fair.state) end
   local state = redis.call('HMGET', fair.state, '', 'f:' .. fair.value)
   local v, last = tonumber(state[1] or 0), tonumber(state[2] or 0)
@@ -88,7 +84,7 @@ local function fair_place(fair, key, pending, member, cost, at, now, ttl_ms)
     local s = slots[j] and tonumber(slots[j])
     if s and s > now then p = p + 1 end
   end
-  local taken = redis.call('ZRANGEBYSCORE', pending, '(' .. fair_us(now), '+inf', 'WITHSCORES',
+  local taken = redis.call('ZRANGEBYSCORE', pending, '(' .. us(now), '+inf', 'WITHSCORES',
     'LIMIT', p, 1)
   local d, slot = taken[1], taken[2] and tonumber(taken[2])
   if not d or slot >= at or string.sub(d, TOKEN_LEN + 1) ~= string.sub(member, TOKEN_LEN + 1)
@@ -98,4 +94,30 @@ local function fair_place(fair, key, pending, member, cost, at, now, ttl_ms)
   if key then redis.call('ZADD', key, slot, member, at, d) end
   redis.call('ZADD', pending, at, d)
   return slot
+end
+
+-- The reservation of the call `c` (lib/call.lua) with a fair queue, placed at `at` and
+-- written there in the logs `ks` (lib/log.lua): its status and slot. A call of one
+-- sliding limit takes its place among the waiting calls of its key; a slot taken over
+-- within `hold` is a start there (status 6), only if it fits counting what really
+-- started, as its confirm would be (lib/start_body.lua): calls may have taken the room
+-- of abandoned slots since it was placed; else it stays a reservation (status 2), and
+-- its confirm places it. A call of one Concurrency and nothing else takes its turn
+-- among the waiters' (the queue kept as its keys are). Any other call keeps its slot.
+local function fair_reserve(c, ks, at, now)
+  if #ks == 1 and #c.cals == 0 and #c.concs == 0 then
+    local k = ks[1]
+    local slot = fair_place(c.fair, k.key, k.pending, k.member, k.cost, at, now,
+      log_keep_ms(k, at, now))
+    if slot - now <= c.hold and log_start_in(k, slot, now, c.hold) <= slot
+      and (not k.pace or log_start_in(pace_window(k), slot, now, c.hold) <= slot) then
+      return 6, slot
+    end
+    return 2, slot
+  elseif #ks == 0 and #c.cals == 0 and #c.concs == 1 then
+    local cc = c.concs[1]
+    local keep = math.max(redis.call('PTTL', cc.h), 60000)
+    return 2, fair_place(c.fair, nil, cc.w, c.token, 1, at, now, keep)
+  end
+  return 2, at
 end

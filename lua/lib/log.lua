@@ -92,6 +92,11 @@ local function log_open(spec, token, now, guard, write)
   return k
 end
 
+-- How long (ms) k's keys are kept for an entry or a slot at t: its window, and a margin.
+local function log_keep_ms(k, t, now)
+  return math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
+end
+
 -- Write the call's entry at t with `write` ({score, member, ...} of one ZADD), keeping
 -- the newest-entry and expiry meta members in step in the same ZADD.
 local function log_write(k, t, now, write)
@@ -101,7 +106,7 @@ local function log_write(k, t, now, write)
     write[#write + 1] = '+'
   end
   if t + k.window > k.expiry then
-    local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
+    local ttl = log_keep_ms(k, t, now)
     k.expiry = now + ttl * 1000
     write[#write + 1] = -k.expiry
     write[#write + 1] = '~'
@@ -147,6 +152,6 @@ local function log_pend(k, t, now)
   end
   redis.call('ZADD', k.pending, t, k.member)
   -- only ever extended: the set holds slots further ahead than this one too
-  local ttl = math.ceil((t + k.window - now) / 1000) + TTL_MARGIN_MS
+  local ttl = log_keep_ms(k, t, now)
   if redis.call('PTTL', k.pending) < ttl then redis.call('PEXPIRE', k.pending, ttl) end
 end

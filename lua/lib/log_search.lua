@@ -3,11 +3,6 @@
 -- where it fits counting what really started (a start). Functions of a limit's state
 -- table `k`.
 
--- An instant as a score bound: all its digits, never an exponent.
-local function us(x)
-  return string.format('%.0f', x)
-end
-
 -- The earliest instant at which `excess` weight has left k's (placement) window,
 -- counting every entry. With one weight for all entries, the entry that must leave is
 -- found by its rank; with mixed weights, by walking the window from whichever end is

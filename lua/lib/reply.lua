@@ -2,8 +2,9 @@
 -- limit of the call.
 
 -- The reply, with `remaining` and `reset_after` folded from every limit's state:
--- `logs` (lib/log.lua), `cals` and `concs` (read with `lib`, lib/gate.lua, when there are
--- any); the counter gives its own (`counted`: {remaining, reset} or nil).
+-- `logs` (lib/log.lua), `cals` (read with `lib`, lib/cal_keys.lua's cal_state, when
+-- there are any) and `concs`; the counter gives its own (`counted`: {remaining, reset}
+-- or nil).
 local function reply(status, at, retry_after, denied_by, now, logs, lib, cals, concs, counted)
   local remaining, reset = nil, 0
   if counted then remaining, reset = counted[1], counted[2] end
@@ -13,7 +14,7 @@ local function reply(status, at, retry_after, denied_by, now, logs, lib, cals, c
     if k.total > 0 and k.newest + k.window - now > reset then reset = k.newest + k.window - now end
   end
   for _, cal in ipairs(cals) do
-    local free, r = lib.cal_state(cal, now)
+    local free, r = lib.state(cal, now)
     if remaining == nil or free < remaining then remaining = free end
     if r > reset then reset = r end
   end

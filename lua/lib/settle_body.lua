@@ -1,10 +1,9 @@
--- lib/settle_body.lua — what settle.lua and settle_gated.lua do (their header: KEYS, ARGV,
--- flag and reply) for the call `c` (lib/call.lua, read_call) whose ARGV is `argv` (the
--- weights the call was counted at follow its numbers). `gates`: the functions of
--- lib/gate.lua (gate_lib) for a call with aligned or concurrency limits, nil for a call
--- with sliding limits only.
+-- lib/settle_body.lua — what settle.lua does (its header: KEYS, ARGV, flag and reply)
+-- for the call `c` (lib/call.lua, read_call) whose ARGV is `argv` (the weights the call
+-- was counted at follow its numbers). `cal`: the functions of lib/cal_edit.lua for a
+-- call with aligned limits (nil: it has none).
 
-local function settle(c, argv, gates)
+local function settle(c, argv, cal)
   local log = c.flag == 'log'
   local now, token = c.now, c.token
   read_settings(c)
@@ -46,9 +45,9 @@ local function settle(c, argv, gates)
     end
   end
   for j, spec in ipairs(c.cals) do
-    cals[j] = gates.cal_open(spec, token, now, false, false)
+    cals[j] = cal.open(spec, token, now, false, false)
     local was = tonumber(argv[c.rest + #c.logs + j - 1])
-    if gates.cal_settle(cals[j], was, token) then found = true end
+    if cal.settle(cals[j], was, token) then found = true end
   end
-  return reply(found and 7 or 0, now, 0, 0, now, ks, gates, cals, {}, counted)
+  return reply(found and 7 or 0, now, 0, 0, now, ks, cal, cals, {}, counted)
 end

@@ -1,8 +1,7 @@
--- lib/start_body.lua — the start of start.lua and start_gated.lua (their header: KEYS,
--- ARGV, flags and reply): start the call `c` (lib/call.lua, read_call). `gates`: the
--- functions of lib/gate.lua (gate_lib) for a call with aligned or concurrency limits,
--- nil for a call with sliding limits only. The one place the timing rules of a start
--- live.
+-- lib/start_body.lua — the start of start.lua (its header: KEYS, ARGV, flags and reply):
+-- start the call `c` (lib/call.lua, read_call). `cal`, `conc`: the functions of
+-- lib/calendar.lua and lib/concurrency.lua for a call with aligned or concurrency
+-- limits (nil: it has none). The one place the timing rules of a start live.
 --
 -- From t0 = max(now, slot), the task starts at the earliest instant its cost fits
 -- every window counting what really started (lib/log.lua, log_start_in); its entry
@@ -19,31 +18,30 @@
 -- A task placed anew takes a paced slot as a reservation does, and not one in an
 -- interval that late starts have filled.
 
-local function start(c, gates)
+local function start(c, cal, conc)
   local now, hold, reserved = c.now, c.hold, c.flag == 'reserved'
   local gate, gate_by = read_settings(c)
   local paused = gate > now
   if not reserved then gate, gate_by = now, 0 end  -- a grant's key was not paused then
   local ks, cals, firm = {}, {}, true
   for i, spec in ipairs(c.logs) do ks[i] = log_open(spec, c.token, now, c.guard, true) end
-  if gates then
-    cals = gates.open_cals(c, true, true)
-    -- a grant already holds its concurrency slots
-    gate, gate_by, firm = gates.at(c, reserved and c.concs or {}, cals, gate, gate_by, reserved,
-      true)
-  end
+  if cal then cals = cal.open_all(c, true, true) end
+  -- a grant already holds its concurrency slots
+  if conc and reserved then gate, gate_by, firm = conc.gate(c, gate, gate_by, true, true) end
+  if cal then gate, gate_by = cal.gate(c, cals, gate, gate_by) end
 
   local function answer(status, at, retry_after, denied_by)
     for _, k in ipairs(ks) do log_flush(k) end
-    if gates then gates.commit(c, cals, status, at) end
-    return reply(status, at, retry_after, denied_by, now, ks, gates, cals, c.concs)
+    if conc then conc.commit(c, status, at) end
+    if cal then cal.commit(cals, status, at, now) end
+    return reply(status, at, retry_after, denied_by, now, ks, cal, cals, c.concs)
   end
 
   if #ks == 0 then
     -- only aligned and concurrency limits: their gate decides. A turn handed over to this
-    -- call (lib/concurrency.lua, conc_hand) is its own: it starts now, on its full lease.
+    -- call (lib/conc_release.lua, conc_hand) is its own: it starts now, on its full lease.
     if reserved and not paused and #c.concs == 1 and #c.cals == 0
-      and gates.conc_handed(c.concs[1], c.token) then
+      and conc.handed(c.concs[1], c.token) then
       return answer(1, now, 0, 0)
     end
     if reserved and #c.concs > 0 and redis.call('ZSCORE', c.concs[1].s, c.token) then
@@ -61,7 +59,7 @@ local function start(c, gates)
     if slot and slot - now > hold then return answer(3, slot, slot - now, 0) end
     if not slot and redis.call('ZSCORE', k.key, k.member) then
       for _, one in ipairs(ks) do log_flush(one) end
-      return reply(5, now, 0, 0, now, ks, gates, cals, c.concs)
+      return reply(5, now, 0, 0, now, ks, cal, cals, c.concs)
     end
   end
 
@@ -92,7 +90,7 @@ local function start(c, gates)
       if k.pace then start = math.max(start, log_start_in(pace_window(k), start, now, hold)) end
     end
   end
-  if #cals > 0 then start = gates.cal_at(cals, start, now, c.horizon) end
+  if cal then start = cal.gate(c, cals, start, 0) end
 
   local wait = start - now
   local later = wait > hold or not firm
