@@ -25,6 +25,7 @@ a Redis of its own (the park off, deferred copies go to the broker with their ET
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import signal
 import subprocess
@@ -34,6 +35,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from celery import Celery
 from benchmarks.soak_app import LEASE
 from benchmarks.soak_check import Record, broker_leftovers, held, judge
 from benchmarks.soak_faults import NODE_FAULTS, Fault, PrivateRabbit, RedisBox, schedule
-from tests.fault_nodes import Node
+from tests.fault_nodes import READY_TIMEOUT, Node
 from tests.upstream import Upstream
 
 APP = "benchmarks.soak_app"
@@ -62,6 +64,16 @@ UPSTREAM_LIMIT = 2
 STALL = 90.0
 #: seconds a node has to exit after SIGTERM before it counts as hung
 TERM_GRACE = 60.0
+#: the supervisor's liveness probe: a ping of every node this often (seconds), each
+#: answer awaited this long; a node that misses this many pings in a row is hung, and
+#: is killed -9 and started again (a ping missed while the broker is down, stopped or
+#: has its connections cut, or within ``PROBE_SETTLE`` s after, does not count)
+PROBE_EVERY = 15.0
+PROBE_TIMEOUT = 8.0
+PROBE_MISSES = 3
+PROBE_SETTLE = 15.0
+#: how often (seconds) the supervisor looks for a node that exited on its own
+WATCH_EVERY = 1.0
 
 
 def plan(rng: random.Random, seconds: float) -> list[tuple[float, str, list[Any], str]]:
@@ -85,7 +97,9 @@ def say(t0: float, text: str) -> None:
 
 
 class Supervisor:
-    """The worker nodes, each started again after it is killed (as systemd would)."""
+    """The worker nodes, each started again after it is killed (as systemd would), or
+    when it exits on its own; and a liveness probe (as Kubernetes would run ``celery
+    inspect ping``): a node that stops answering pings is killed -9 and started again."""
 
     def __init__(self, logdir: Path, env: dict[str, str], t0: float) -> None:
         self.t0 = t0
@@ -95,14 +109,40 @@ class Supervisor:
         }
         self.locks = {name: threading.Lock() for name in self.nodes}
         self.hung: list[str] = []
-        self.kills: list[float] = []  # epoch seconds of each kill -9 on a Redis broker
+        # epoch seconds of each kill -9 (scheduled or the probe's) on a Redis broker
+        self.kills: list[float] = []
         self.gap = env["SOAK_BROKER"].startswith("redis")
+        self.broker = env["SOAK_BROKER"]
+        self.probe_restarts = 0  # nodes the probe found hung, killed -9 and restarted
+        self.exit_restarts = 0  # nodes that exited on their own, started again
+        self._outages = 0  # broker faults under way
+        self._settled = 0.0  # monotonic time the last one ended
+        self._outage_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> None:
         for node in self.nodes.values():
             node.start()
         for node in self.nodes.values():
             node.wait_ready()
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        """Around a fault on the broker: pings missed then, or just after, do not count."""
+        with self._outage_lock:
+            self._outages += 1
+        try:
+            yield
+        finally:
+            with self._outage_lock:
+                self._outages -= 1
+                self._settled = time.monotonic()
+
+    def _broker_unsettled_since(self, began: float) -> bool:
+        """Whether the broker was down (or settling after) at any time since ``began``."""
+        with self._outage_lock:
+            return self._outages > 0 or self._settled + PROBE_SETTLE > began
 
     def run(self, fault: Fault) -> str:
         lock = self.locks[fault.target]
@@ -141,9 +181,105 @@ class Supervisor:
                 node.stop()
         raise RuntimeError(f"{node.name} could not be started again")
 
+    def watch(self) -> None:
+        """Start the probe (on a thread of its own) until :meth:`stop`."""
+        self._watcher = threading.Thread(target=self._watch, name="probe", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        control = Celery("soak-probe", broker=self.broker)
+        control.conf.broker_connection_retry_on_startup = True
+        misses: dict[str, tuple[int, int]] = {}  # node -> (its pid, pings missed in a row)
+        next_ping = time.monotonic() + PROBE_EVERY
+        try:
+            while not self._stopping.wait(WATCH_EVERY):
+                for node in self.nodes.values():
+                    self._exited(node)
+                if time.monotonic() >= next_ping:
+                    self._probe(control, misses)
+                    next_ping = time.monotonic() + PROBE_EVERY
+        except Exception as exc:  # the probe must not die silently
+            say(self.t0, f"probe: {exc!r}; stopped")
+            self.hung.append(f"the probe stopped: {exc!r}")
+        finally:
+            control.close()
+
+    def _exited(self, node: Node) -> None:
+        """Start ``node`` again if it exited when no fault was on it."""
+        lock = self.locks[node.name]
+        if not lock.acquire(blocking=False):
+            return  # a fault (or the probe) has it
+        try:
+            if self._stopping.is_set() or node.proc is None or node.proc.poll() is None:
+                return
+            code = node.proc.returncode
+            node.stop()  # SIGKILL to the group: no pool child outlives its node
+            say(self.t0, f"supervisor: {node.name} exited on its own (code {code}); restart")
+            self.exit_restarts += 1
+            self._restart_or_give_up(node)
+        finally:
+            lock.release()
+
+    def _probe(self, control: Celery, misses: dict[str, tuple[int, int]]) -> None:
+        """Ping every node once; kill -9 and restart one that missed ``PROBE_MISSES``
+        pings in a row, none of them near a broker fault."""
+        began = time.monotonic()
+        names = {node.hostname: node for node in self.nodes.values()}
+        try:
+            replies = control.control.ping(destination=list(names), timeout=PROBE_TIMEOUT)
+        except Exception as exc:  # the broker is down: no answer means nothing
+            say(self.t0, f"probe: ping failed ({exc!r}); not counted")
+            return
+        if self._stopping.is_set() or self._broker_unsettled_since(began):
+            return  # a broker fault came near this ping: its misses do not count
+        answered = {name for reply in replies for name in reply}
+        for hostname, node in names.items():
+            pid = node.proc.pid if node.proc is not None else 0
+            if hostname in answered or self.locks[node.name].locked():
+                misses.pop(node.name, None)
+                continue
+            was, count = misses.get(node.name, (pid, 0))
+            count = count + 1 if was == pid else 1  # a node started since begins again
+            misses[node.name] = (pid, count)
+            say(self.t0, f"probe: {node.name} did not answer a ping ({count} in a row)")
+            if count >= PROBE_MISSES:
+                misses.pop(node.name, None)
+                self._kill_hung(node, count)
+
+    def _kill_hung(self, node: Node, count: int) -> None:
+        lock = self.locks[node.name]
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            if self._stopping.is_set():
+                return
+            say(self.t0, f"supervisor: {node.name} missed {count} pings: kill -9, restart")
+            node.kill(signal.SIGKILL)
+            # like a scheduled kill -9: its popped, untaken message may be lost (``judge``)
+            self.kills.append(time.time())
+            node.stop()
+            self.probe_restarts += 1
+            self._restart_or_give_up(node)
+        finally:
+            lock.release()
+
+    def _restart_or_give_up(self, node: Node) -> None:
+        try:
+            self.restart(node)
+        except RuntimeError as exc:
+            say(self.t0, f"supervisor: {exc}")
+            self.hung.append(str(exc))
+
+    def quiet(self) -> None:
+        """Stop the probe (and the restarts of nodes that exit), waiting for it."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(PROBE_TIMEOUT + READY_TIMEOUT * 3)
+
     def stop(self, app: Celery) -> None:
-        """Ask every node for a ping (a node that cannot answer is hung), then SIGTERM
-        them all; one still running ``TERM_GRACE`` s later is hung too."""
+        """Stop the probe; ask every node for a ping (a node that cannot answer is hung),
+        then SIGTERM them all; one still running ``TERM_GRACE`` s later is hung too."""
+        self.quiet()
         names = [node.hostname for node in self.nodes.values()]
         answered: set[str] = set()
         for _ in range(3):  # a connection the broker's restart left stale fails once
@@ -204,10 +340,14 @@ class Soak:
                 outcome = supervisor.run(fault)
             elif fault.target == "rabbitmq":
                 assert self.rabbit is not None
-                self.rabbit.run(fault.kind, fault.hold)
+                with supervisor.outage():
+                    self.rabbit.run(fault.kind, fault.hold)
                 outcome = "done"
             else:
-                self.boxes[fault.target].run(fault.kind, fault.hold)
+                # the broker stopped, down or its connections cut: the probe waits
+                broker = fault.target == "broker" and fault.kind != "script_flush"
+                with supervisor.outage() if broker else contextlib.nullcontext():
+                    self.boxes[fault.target].run(fault.kind, fault.hold)
                 outcome = "done"
         except Exception as exc:  # reported, and counted against the soak
             outcome = f"error: {exc!r}"[:200]
@@ -267,6 +407,7 @@ class Soak:
             try:
                 supervisor.start()
                 self.t0 = supervisor.t0 = time.monotonic()
+                supervisor.watch()
                 say(self.t0, "nodes ready: producing, faults start")
                 threads = [
                     threading.Thread(target=self.fault, args=(f, supervisor), daemon=True)
@@ -284,6 +425,7 @@ class Soak:
                 left = held(client, self.prefix)
                 supervisor.stop(producer)
             finally:
+                supervisor.quiet()
                 for node in supervisor.nodes.values():
                     node.stop()
                 producer.close()
@@ -309,6 +451,10 @@ class Soak:
         done = sum(n for (_, o), n in self.outcomes.items() if o == "done")
         held_after = len(left) + len(supervisor.hung)
         errors = sum(n for (_, o), n in self.outcomes.items() if o.startswith("error"))
+        print(
+            f"supervisor: probe_restarts={supervisor.probe_restarts} "
+            f"exit_restarts={supervisor.exit_restarts}"
+        )
         print(
             f"soak: tasks={verdict.tasks} ran={verdict.ran} lost={verdict.lost} dup={verdict.dup} "
             f"over_limit={verdict.over_limit} held_after={held_after} faults={done}",
