@@ -225,11 +225,15 @@ class Supervisor:
         pings in a row, none of them near a broker fault."""
         began = time.monotonic()
         names = {node.hostname: node for node in self.nodes.values()}
-        try:
-            replies = control.control.ping(destination=list(names), timeout=PROBE_TIMEOUT)
-        except Exception as exc:  # the broker is down: no answer means nothing
-            say(self.t0, f"probe: ping failed ({exc!r}); not counted")
-            return
+        for attempt in range(3):  # a connection a broker fault left stale fails once
+            try:
+                replies = control.control.ping(destination=list(names), timeout=PROBE_TIMEOUT)
+                break
+            except Exception as exc:  # the broker is down: no answer means nothing
+                if attempt == 2:
+                    say(self.t0, f"probe: ping failed ({exc!r}); not counted")
+                    return
+                time.sleep(1.0)
         if self._stopping.is_set() or self._broker_unsettled_since(began):
             return  # a broker fault came near this ping: its misses do not count
         answered = {name for reply in replies for name in reply}

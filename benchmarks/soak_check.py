@@ -201,11 +201,14 @@ def held(client: Any, prefix: str) -> list[str]:
 
 def broker_leftovers(client: Any) -> list[str]:
     """Messages a Redis broker still has once the soak is idle: in its queues, unacked,
-    or waiting in its ``unacked_index``."""
+    or waiting in its ``unacked_index``. Not the replies to pings that came after their
+    ping's timeout (a ``*.reply.celery.pidbox`` list: no task)."""
     left = []
     for raw in client.scan_iter(count=500):
         key = raw.decode()
         kind = client.type(raw).decode()
+        if key.endswith(".reply.celery.pidbox"):
+            continue
         if kind == "list" and not key.startswith("_kombu") and client.llen(raw):
             left.append(f"queue {key}: {client.llen(raw)}")
         elif key in ("unacked", "unacked_index") and (
