@@ -10,8 +10,10 @@ node holds its messages for good.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -63,6 +65,7 @@ class Supervisor:
         self.broker = env["SOAK_BROKER"]
         self.probe_restarts = 0  # nodes the probe found hung, killed -9 and restarted
         self.exit_restarts = 0  # nodes that exited on their own, started again
+        self.dumps = 0  # stacks of hung nodes kept (py-spy)
         self._outages = 0  # broker faults under way
         self._settled = 0.0  # monotonic time the last one ended
         self._outage_lock = threading.Lock()
@@ -206,6 +209,7 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             say(self.t0, f"supervisor: {node.name} missed {count} pings: kill -9, restart")
+            self._dump(node)
             node.kill(signal.SIGKILL)
             # like a scheduled kill -9: its popped, untaken message may be lost (``judge``)
             self.kills.append(time.time())
@@ -214,6 +218,22 @@ class Supervisor:
             self._restart_or_give_up(node)
         finally:
             lock.release()
+
+    def _dump(self, node: Node) -> None:
+        """Keep the hung node's threads' stacks (``py-spy dump``, when installed) beside
+        its log: what it was stuck in."""
+        here = str(Path(sys.executable).parent)  # a virtualenv's, not on PATH
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=here)
+        if spy is None or node.proc is None:
+            return
+        self.dumps += 1
+        out = node.log.with_name(f"{node.name}.hung{self.dumps}.txt")
+        with out.open("wb") as f, contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(
+                [spy, "dump", "--nonblocking", "--pid", str(node.proc.pid)],
+                stdout=f, stderr=subprocess.STDOUT, timeout=30, check=False,
+            )  # fmt: skip
+        say(self.t0, f"supervisor: {node.name}'s stacks in {out}")
 
     def _restart_or_give_up(self, node: Node) -> None:
         try:
