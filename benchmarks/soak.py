@@ -16,14 +16,15 @@ soak's private RabbitMQ node). Then the soak waits for the drain, checks the rec
 
     soak: tasks=N ran=N lost=L dup=D over_limit=W held_after=H faults=F
 
-after a line ``supervisor: probe_restarts=K exit_restarts=E``: the nodes' supervisor
-(``soak_nodes``) also starts again a node that exits on its own, and probes every node
-with a ping, killing -9 and starting again one that stops answering (K of them).
-
 exiting 0 only when ``lost=0 over_limit=0 held_after=0``. The Redis servers are the
 soak's own; with ``--broker rabbitmq`` the broker is a RabbitMQ node of its own too.
 By default the limiter is on the broker's Redis (the park on); ``--own-redis`` gives it
 a Redis of its own (the park off, deferred copies go to the broker with their ETA).
+
+Before it, ``supervisor: probe_restarts=K exit_restarts=E term_kills=T``: the nodes'
+supervisor (``soak_nodes``) also starts again a node that exits on its own (E), probes
+every node with a ping, killing -9 and starting again one that stops answering (K), and
+kills -9 a node that ignores SIGTERM for 60 s after Celery's unrecoverable error (T).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class Soak:
         errors = sum(n for (_, o), n in self.outcomes.items() if o.startswith("error"))
         print(
             f"supervisor: probe_restarts={supervisor.probe_restarts} "
-            f"exit_restarts={supervisor.exit_restarts}"
+            f"exit_restarts={supervisor.exit_restarts} term_kills={supervisor.term_kills}"
         )
         print(
             f"soak: tasks={verdict.tasks} ran={verdict.ran} lost={verdict.lost} dup={verdict.dup} "

@@ -65,6 +65,9 @@ class Supervisor:
         self.broker = env["SOAK_BROKER"]
         self.probe_restarts = 0  # nodes the probe found hung, killed -9 and restarted
         self.exit_restarts = 0  # nodes that exited on their own, started again
+        # nodes killed -9 for ignoring SIGTERM after Celery's unrecoverable error
+        self.term_kills = 0
+        self.offsets: dict[str, int] = {}  # node -> its log's size when it was started
         self.dumps = 0  # stacks of hung nodes kept (py-spy)
         self._outages = 0  # broker faults under way
         self._settled = 0.0  # monotonic time the last one ended
@@ -74,6 +77,7 @@ class Supervisor:
 
     def start(self) -> None:
         for node in self.nodes.values():
+            self.offsets[node.name] = node.log.stat().st_size if node.log.exists() else 0
             node.start()
         for node in self.nodes.values():
             node.wait_ready()
@@ -112,7 +116,7 @@ class Supervisor:
                 try:
                     node.proc.wait(TERM_GRACE)
                 except subprocess.TimeoutExpired:
-                    self.hung.append(f"{node.name} did not exit {TERM_GRACE:.0f}s after SIGTERM")
+                    self._term_timeout(node, f"did not exit {TERM_GRACE:.0f}s after SIGTERM")
             node.stop()  # reaps it; SIGKILL to the group: no pool child outlives its node
             time.sleep(fault.hold)
             self.restart(node)
@@ -120,9 +124,26 @@ class Supervisor:
         finally:
             lock.release()
 
+    def _term_timeout(self, node: Node, what: str) -> None:
+        """A node still running ``TERM_GRACE`` s after SIGTERM is killed -9 (as systemd
+        does after its stop timeout): recorded as a kill. It is hung, unless Celery's
+        ``Unrecoverable error`` came first (a node it leaves up ignores SIGTERM too:
+        Celery's and kombu's, docs/operations.md); then it is counted apart."""
+        self.kills.append(time.time())  # node.stop() kills it -9 next
+        text = node.log.read_bytes()[self.offsets.get(node.name, 0) :]
+        if b"Unrecoverable error" in text:
+            self.term_kills += 1
+            say(
+                self.t0,
+                f"supervisor: {node.name} {what}, after Celery's unrecoverable error: kill -9",
+            )
+        else:
+            self.hung.append(f"{node.name} {what}")
+
     def restart(self, node: Node) -> None:
         for _ in range(3):
             since = node.log.stat().st_size if node.log.exists() else 0
+            self.offsets[node.name] = since
             node.start()
             try:
                 node.wait_ready(since)
@@ -274,5 +295,5 @@ class Supervisor:
             try:
                 node.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.hung.append(f"{node.name} did not exit after SIGTERM at the end")
+                self._term_timeout(node, "did not exit after SIGTERM at the end")
             node.stop()
