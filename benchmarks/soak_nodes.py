@@ -59,7 +59,7 @@ class Supervisor:
         }
         self.locks = {name: threading.Lock() for name in self.nodes}
         self.hung: list[str] = []
-        # epoch seconds of each kill -9 (scheduled or the probe's) on a Redis broker
+        # epoch seconds of each kill -9 (scheduled, the probe's, after a SIGTERM ignored)
         self.kills: list[float] = []
         self.gap = env["SOAK_BROKER"].startswith("redis")
         self.broker = env["SOAK_BROKER"]
