@@ -20,14 +20,19 @@ exiting 0 only when ``lost=0 over_limit=0 held_after=0``. The Redis servers are 
 soak's own; with ``--broker rabbitmq`` the broker is a RabbitMQ node of its own too.
 By default the limiter is on the broker's Redis (the park on); ``--own-redis`` gives it
 a Redis of its own (the park off, deferred copies go to the broker with their ETA).
+
+Before it, ``supervisor: probe_restarts=K exit_restarts=E term_kills=T``: the nodes'
+supervisor (``soak_nodes``) also starts again a node that exits on its own (E), probes
+every node with a ping, killing -9 and starting again one that stops answering (K), and
+kills -9 a node that ignores SIGTERM for 60 s after Celery's unrecoverable error (T).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,12 +47,9 @@ from celery import Celery
 from benchmarks.soak_app import LEASE
 from benchmarks.soak_check import Record, broker_leftovers, held, judge
 from benchmarks.soak_faults import NODE_FAULTS, Fault, PrivateRabbit, RedisBox, schedule
-from tests.fault_nodes import Node
+from benchmarks.soak_nodes import APP, NODES, Supervisor, say
 from tests.upstream import Upstream
 
-APP = "benchmarks.soak_app"
-#: name, pool, concurrency
-NODES = [("node1", "prefork", 2), ("node2", "threads", 4), ("node3", "gevent", 8)]
 #: task -> calls a second the producer sends: twice each task's limit (``weighted``
 #: costs 2 units on average under 4 units a second; ``stacked`` is held to 2 a second
 #: by its 10/5s)
@@ -60,8 +62,6 @@ UPSTREAM_LIMIT = 2
 #: the drain ends when what it waits for has not changed for this long (seconds): more
 #: than the visibility timeout and a deferral's longest hop
 STALL = 90.0
-#: seconds a node has to exit after SIGTERM before it counts as hung
-TERM_GRACE = 60.0
 
 
 def plan(rng: random.Random, seconds: float) -> list[tuple[float, str, list[Any], str]]:
@@ -77,97 +77,6 @@ def plan(rng: random.Random, seconds: float) -> list[tuple[float, str, list[Any]
                 args = [k]
             sends.append((k / rate, task, args, str(uuid.UUID(int=rng.getrandbits(128)))))
     return sorted(sends, key=lambda s: s[0])
-
-
-def say(t0: float, text: str) -> None:
-    wall = time.strftime("%H:%M:%S", time.localtime())
-    print(f"[{time.monotonic() - t0:7.1f}s {wall}] {text}", flush=True)
-
-
-class Supervisor:
-    """The worker nodes, each started again after it is killed (as systemd would)."""
-
-    def __init__(self, logdir: Path, env: dict[str, str], t0: float) -> None:
-        self.t0 = t0
-        self.nodes = {
-            name: Node(name, env, logdir / f"{name}.log", concurrency=c, pool=pool, app=APP)
-            for name, pool, c in NODES
-        }
-        self.locks = {name: threading.Lock() for name in self.nodes}
-        self.hung: list[str] = []
-        self.kills: list[float] = []  # epoch seconds of each kill -9 on a Redis broker
-        self.gap = env["SOAK_BROKER"].startswith("redis")
-
-    def start(self) -> None:
-        for node in self.nodes.values():
-            node.start()
-        for node in self.nodes.values():
-            node.wait_ready()
-
-    def run(self, fault: Fault) -> str:
-        lock = self.locks[fault.target]
-        if not lock.acquire(blocking=False):
-            return "skipped (node already down)"
-        try:
-            node = self.nodes[fault.target]
-            if fault.kind == "kill9":
-                # a message kombu popped from a Redis broker and the node had not yet
-                # taken in is lost with it (see ``judge``)
-                node.kill(signal.SIGKILL)
-                self.kills.append(time.time())
-            else:
-                node.kill(signal.SIGTERM)
-                assert node.proc is not None
-                try:
-                    node.proc.wait(TERM_GRACE)
-                except subprocess.TimeoutExpired:
-                    self.hung.append(f"{node.name} did not exit {TERM_GRACE:.0f}s after SIGTERM")
-            node.stop()  # reaps it; SIGKILL to the group: no pool child outlives its node
-            time.sleep(fault.hold)
-            self.restart(node)
-            return "done"
-        finally:
-            lock.release()
-
-    def restart(self, node: Node) -> None:
-        for _ in range(3):
-            since = node.log.stat().st_size if node.log.exists() else 0
-            node.start()
-            try:
-                node.wait_ready(since)
-                return
-            except RuntimeError as exc:
-                say(self.t0, f"{node.name} did not come back ({str(exc)[:200]}); again")
-                node.stop()
-        raise RuntimeError(f"{node.name} could not be started again")
-
-    def stop(self, app: Celery) -> None:
-        """Ask every node for a ping (a node that cannot answer is hung), then SIGTERM
-        them all; one still running ``TERM_GRACE`` s later is hung too."""
-        names = [node.hostname for node in self.nodes.values()]
-        answered: set[str] = set()
-        for _ in range(3):  # a connection the broker's restart left stale fails once
-            try:
-                replies = app.control.ping(destination=names, timeout=5.0)
-            except Exception as exc:
-                say(self.t0, f"ping: {exc!r}; again")
-                time.sleep(1.0)
-                continue
-            answered |= {name for reply in replies for name in reply}
-            if answered >= set(names):
-                break
-        self.hung += [f"{name} did not answer a ping" for name in names if name not in answered]
-        for node in self.nodes.values():
-            node.kill(signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE
-        for node in self.nodes.values():
-            if node.proc is None:
-                continue
-            try:
-                node.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.hung.append(f"{node.name} did not exit after SIGTERM at the end")
-            node.stop()
 
 
 class Soak:
@@ -204,10 +113,14 @@ class Soak:
                 outcome = supervisor.run(fault)
             elif fault.target == "rabbitmq":
                 assert self.rabbit is not None
-                self.rabbit.run(fault.kind, fault.hold)
+                with supervisor.outage():
+                    self.rabbit.run(fault.kind, fault.hold)
                 outcome = "done"
             else:
-                self.boxes[fault.target].run(fault.kind, fault.hold)
+                # the broker stopped, down or its connections cut: the probe waits
+                broker = fault.target == "broker" and fault.kind != "script_flush"
+                with supervisor.outage() if broker else contextlib.nullcontext():
+                    self.boxes[fault.target].run(fault.kind, fault.hold)
                 outcome = "done"
         except Exception as exc:  # reported, and counted against the soak
             outcome = f"error: {exc!r}"[:200]
@@ -267,6 +180,7 @@ class Soak:
             try:
                 supervisor.start()
                 self.t0 = supervisor.t0 = time.monotonic()
+                supervisor.watch()
                 say(self.t0, "nodes ready: producing, faults start")
                 threads = [
                     threading.Thread(target=self.fault, args=(f, supervisor), daemon=True)
@@ -284,6 +198,7 @@ class Soak:
                 left = held(client, self.prefix)
                 supervisor.stop(producer)
             finally:
+                supervisor.quiet()
                 for node in supervisor.nodes.values():
                     node.stop()
                 producer.close()
@@ -309,6 +224,10 @@ class Soak:
         done = sum(n for (_, o), n in self.outcomes.items() if o == "done")
         held_after = len(left) + len(supervisor.hung)
         errors = sum(n for (_, o), n in self.outcomes.items() if o.startswith("error"))
+        print(
+            f"supervisor: probe_restarts={supervisor.probe_restarts} "
+            f"exit_restarts={supervisor.exit_restarts} term_kills={supervisor.term_kills}"
+        )
         print(
             f"soak: tasks={verdict.tasks} ran={verdict.ran} lost={verdict.lost} dup={verdict.dup} "
             f"over_limit={verdict.over_limit} held_after={held_after} faults={done}",

@@ -9,6 +9,7 @@ wrote its line changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import re
@@ -36,6 +37,12 @@ META = 10**13
 #: a mover's line for a parked copy it published, and a node's for a message it took in
 _PUBLISHED = re.compile(r"^\[(\S+ \S+): .*ratelimit: published parked \S+\[([0-9a-f-]+)\]")
 _RECEIVED = re.compile(r"^\[(\S+ \S+): .*\] Task \S+\[([0-9a-f-]+)\] received")
+#: a node's line for a deferred copy it published to the broker (not to the park)
+_DEFERRED = re.compile(r"^\[(\S+ \S+): .*ratelimit: deferred \S+\[([0-9a-f-]+)\](?!.*parked in)")
+#: a node's lines for the loss of its broker connection
+_DROPPED = re.compile(r"^\[(\S+ \S+): .*(Connection to broker lost|Unrecoverable error)")
+#: seconds either side of a lost message's hand-off whose hand-offs are its neighbours
+NEIGHBOURS = 0.3
 
 
 def _stamps(lines: list[str], pattern: re.Pattern[str]) -> dict[str, list[float]]:
@@ -156,6 +163,7 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
             f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received, "
             f"{len(moved)} published from the park)"
         )
+        details += trace(sorted(lost)[:10], sent, lines, kills)
     return Verdict(
         tasks=len(ids),
         ran=len(ids & set(record.done)),
@@ -165,6 +173,60 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
         details=details,
         gap=len(gap),
     )
+
+
+def trace(
+    lost: list[str], sent: dict[str, float], lines: list[str], kills: list[float]
+) -> list[str]:
+    """Where each of ``lost`` was last handed to the broker, and when the messages handed
+    over within :data:`NEIGHBOURS` s of it were taken in: the broker's queue is a FIFO
+    list, so that span is about when it was popped; with the losses of a node's broker
+    connection and the kills -9 in that span (a popped message is lost with a connection
+    that had not read it: kombu's gap)."""
+    handed: dict[str, list[float]] = defaultdict(list)
+    for i, when in sent.items():
+        handed[i].append(when)
+    for pattern in (_PUBLISHED, _DEFERRED):
+        for i, stamps in _stamps(lines, pattern).items():
+            handed[i] += stamps
+    order = sorted((when, i) for i, stamps in handed.items() for when in stamps)
+    times = [when for when, _ in order]
+    receipts = {i: sorted(stamps) for i, stamps in _stamps(lines, _RECEIVED).items()}
+    drops = sorted(
+        [(when, "a connection lost") for when in _drops(lines)] + [(k, "a kill -9") for k in kills]
+    )
+    out = []
+    for i in lost:
+        if not handed.get(i):
+            continue
+        last = max(handed[i])
+        lo = bisect.bisect_left(times, last - NEIGHBOURS)
+        hi = bisect.bisect_right(times, last + NEIGHBOURS)
+        taken = []
+        for when, j in order[lo:hi]:
+            after = bisect.bisect_left(receipts.get(j, []), when)
+            if j != i and after < len(receipts.get(j, [])):
+                taken.append(receipts[j][after])
+        if not taken:
+            out.append(f"  {i}: handed over at {last:.1f}, no neighbour taken in")
+            continue
+        first, end = min(taken), max(taken)
+        near = Counter(what for when, what in drops if first <= when <= end)
+        out.append(
+            f"  {i}: its neighbours taken in {first - last:+.1f}..{end - last:+.1f} s after "
+            f"its hand-off; then {dict(near) or 'no connection lost, no kill'}"
+        )
+    return out
+
+
+def _drops(lines: list[str]) -> list[float]:
+    """The epoch seconds (by the log's clock) of each loss of a broker connection."""
+    found = []
+    for line in lines:
+        if match := _DROPPED.search(line):
+            when = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            found.append(when.timestamp())
+    return found
 
 
 def held(client: Any, prefix: str) -> list[str]:
@@ -201,11 +263,14 @@ def held(client: Any, prefix: str) -> list[str]:
 
 def broker_leftovers(client: Any) -> list[str]:
     """Messages a Redis broker still has once the soak is idle: in its queues, unacked,
-    or waiting in its ``unacked_index``."""
+    or waiting in its ``unacked_index``. Not the replies to pings that came after their
+    ping's timeout (a ``*.reply.celery.pidbox`` list: no task)."""
     left = []
     for raw in client.scan_iter(count=500):
         key = raw.decode()
         kind = client.type(raw).decode()
+        if key.endswith(".reply.celery.pidbox"):
+            continue
         if kind == "list" and not key.startswith("_kombu") and client.llen(raw):
             left.append(f"queue {key}: {client.llen(raw)}")
         elif key in ("unacked", "unacked_index") and (
