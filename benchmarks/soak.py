@@ -208,7 +208,7 @@ class Soak:
                     self.rabbit.close()
         self.record.read()
         kills = supervisor.kills if supervisor.gap else []
-        verdict = judge(self.sent, self.record, kills, self.workdir)
+        verdict = judge(self.sent, self.record, kills, self.workdir, supervisor.gap)
         for line in verdict.details:
             print(f"  {line}")
         for line in left:
@@ -216,7 +216,7 @@ class Soak:
         for line in supervisor.hung:
             print(f"  hung: {line}")
         if verdict.gap:
-            print(f"  not counted as lost: {verdict.gap} in kombu's BRPOP gap at a kill -9")
+            print(f"  not counted as lost: {verdict.gap} in kombu's BRPOP gap")
         print("faults by class:")
         for kind in sorted({k for k, _ in self.outcomes}):
             outcomes = {o: n for (k, o), n in self.outcomes.items() if k == kind}

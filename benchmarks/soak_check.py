@@ -41,8 +41,6 @@ _RECEIVED = re.compile(r"^\[(\S+ \S+): .*\] Task \S+\[([0-9a-f-]+)\] received")
 _DEFERRED = re.compile(r"^\[(\S+ \S+): .*ratelimit: deferred \S+\[([0-9a-f-]+)\](?!.*parked in)")
 #: a node's lines for the loss of its broker connection
 _DROPPED = re.compile(r"^\[(\S+ \S+): .*(Connection to broker lost|Unrecoverable error)")
-#: seconds either side of a lost message's hand-off whose hand-offs are its neighbours
-NEIGHBOURS = 0.3
 
 
 def _stamps(lines: list[str], pattern: re.Pattern[str]) -> dict[str, list[float]]:
@@ -95,7 +93,9 @@ class Verdict:
     gap: int
 
 
-def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path) -> Verdict:
+def judge(
+    sent: dict[str, float], record: Record, kills: list[float], logs: Path, popped: bool = True
+) -> Verdict:
     """Every task ran (at least once); no window started more than its limit; no more
     bodies at once than a ``Concurrency`` allows; every run had a decision.
 
@@ -108,7 +108,12 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
     :data:`GAP` s before a kill -9 of a node (``kills``, epoch seconds), or :data:`LATE`
     s after it, is counted apart as lost in that gap; so is a task taken in once whose
     parked copy a mover published (its log line) within the same bounds of a kill -9 and
-    no node took in after. Every other missing task is lost."""
+    no node took in after. So is a task whose neighbours in the broker's FIFO list (the
+    messages handed over just before and just after its last hand-off) were taken in
+    while a node lost its broker connection or was killed -9 (within :data:`LATE` s):
+    it was popped then, on a connection that did not read it (:class:`Fifo`). Every
+    other missing task is lost. ``popped``: the broker is a Redis one (a RabbitMQ
+    broker gives an unacknowledged message back whatever became of its consumer)."""
     ids = set(sent)
     details = []
     over = 0
@@ -156,6 +161,17 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
     if gap:
         details.append(f"kombu: {len(gap)} lost at a kill -9, never taken in: {sorted(gap)}")
     lost -= gap
+    fifo = Fifo(sent, lines, kills)
+    cut = {
+        i for i in lost if popped and (span := fifo.span(i)) is not None and fifo.drops(*span[1:])
+    }
+    if cut:
+        details.append(
+            f"kombu: {len(cut)} lost at a lost broker connection, popped then: {sorted(cut)}"
+        )
+        details += fifo.trace(sorted(cut)[:10])
+    gap |= cut
+    lost -= cut
     if lost:
         # a mover's line for each parked copy it published (celery_ratelimit/_celery/park.py)
         moved = {i for i in lost if any(i in ln and "published parked" in ln for ln in lines)}
@@ -163,7 +179,7 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
             f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received, "
             f"{len(moved)} published from the park)"
         )
-        details += trace(sorted(lost)[:10], sent, lines, kills)
+        details += fifo.trace(sorted(lost)[:10])
     return Verdict(
         tasks=len(ids),
         ran=len(ids & set(record.done)),
@@ -175,48 +191,69 @@ def judge(sent: dict[str, float], record: Record, kills: list[float], logs: Path
     )
 
 
-def trace(
-    lost: list[str], sent: dict[str, float], lines: list[str], kills: list[float]
-) -> list[str]:
-    """Where each of ``lost`` was last handed to the broker, and when the messages handed
-    over within :data:`NEIGHBOURS` s of it were taken in: the broker's queue is a FIFO
-    list, so that span is about when it was popped; with the losses of a node's broker
-    connection and the kills -9 in that span (a popped message is lost with a connection
-    that had not read it: kombu's gap)."""
-    handed: dict[str, list[float]] = defaultdict(list)
-    for i, when in sent.items():
-        handed[i].append(when)
-    for pattern in (_PUBLISHED, _DEFERRED):
-        for i, stamps in _stamps(lines, pattern).items():
-            handed[i] += stamps
-    order = sorted((when, i) for i, stamps in handed.items() for when in stamps)
-    times = [when for when, _ in order]
-    receipts = {i: sorted(stamps) for i, stamps in _stamps(lines, _RECEIVED).items()}
-    drops = sorted(
-        [(when, "a connection lost") for when in _drops(lines)] + [(k, "a kill -9") for k in kills]
-    )
-    out = []
-    for i in lost:
-        if not handed.get(i):
-            continue
-        last = max(handed[i])
-        lo = bisect.bisect_left(times, last - NEIGHBOURS)
-        hi = bisect.bisect_right(times, last + NEIGHBOURS)
-        taken = []
-        for when, j in order[lo:hi]:
-            after = bisect.bisect_left(receipts.get(j, []), when)
-            if j != i and after < len(receipts.get(j, [])):
-                taken.append(receipts[j][after])
-        if not taken:
-            out.append(f"  {i}: handed over at {last:.1f}, no neighbour taken in")
-            continue
-        first, end = min(taken), max(taken)
-        near = Counter(what for when, what in drops if first <= when <= end)
-        out.append(
-            f"  {i}: its neighbours taken in {first - last:+.1f}..{end - last:+.1f} s after "
-            f"its hand-off; then {dict(near) or 'no connection lost, no kill'}"
+class Fifo:
+    """The broker's queue as the logs show it: every hand-off of a message (a send, a
+    node's deferred copy, a mover's publish of a parked one), every receipt, and every
+    loss of a node's broker connection or kill -9. The queue is a FIFO list, so the
+    messages handed over just before and just after a message were taken in about when
+    it was popped; a popped message is lost with a connection that had not read it
+    (kombu's gap)."""
+
+    def __init__(self, sent: dict[str, float], lines: list[str], kills: list[float]) -> None:
+        self.handed: dict[str, list[float]] = defaultdict(list)
+        for i, when in sent.items():
+            self.handed[i].append(when)
+        for pattern in (_PUBLISHED, _DEFERRED):
+            for i, stamps in _stamps(lines, pattern).items():
+                self.handed[i] += stamps
+        self.order = sorted((when, i) for i, stamps in self.handed.items() for when in stamps)
+        self.times = [when for when, _ in self.order]
+        self.receipts = {i: sorted(stamps) for i, stamps in _stamps(lines, _RECEIVED).items()}
+        self.lost_at = sorted(
+            [(when, "a connection lost") for when in _drops(lines)]
+            + [(k, "a kill -9") for k in kills]
         )
-    return out
+
+    def span(self, i: str) -> tuple[float, float, float] | None:
+        """``i``'s last hand-off, and when the nearest messages handed over before and
+        after it were taken in (of those taken in after their hand-off): about when
+        ``i`` was popped; None without such a neighbour."""
+        if not self.handed.get(i):
+            return None
+        last = max(self.handed[i])
+        at = bisect.bisect_left(self.times, last)
+        taken = []
+        for side in (range(at - 1, -1, -1), range(at, len(self.order))):
+            for n in side:
+                when, j = self.order[n]
+                receipts = self.receipts.get(j, [])
+                after = bisect.bisect_left(receipts, when)
+                if j != i and after < len(receipts):
+                    taken.append(receipts[after])
+                    break
+        return (last, min(taken), max(taken)) if taken else None
+
+    def drops(self, first: float, end: float) -> Counter[str]:
+        """The connection losses and kills -9 from :data:`LATE` s before ``first`` to as
+        long after ``end``."""
+        return Counter(what for when, what in self.lost_at if first - LATE <= when <= end + LATE)
+
+    def trace(self, lost: list[str]) -> list[str]:
+        """A line for each of ``lost``: when its neighbours were taken in, and what was
+        lost or killed then."""
+        out = []
+        for i in lost:
+            span = self.span(i)
+            if span is None:
+                out.append(f"  {i}: no neighbour taken in")
+                continue
+            last, first, end = span
+            near = self.drops(first, end)
+            out.append(
+                f"  {i}: its neighbours taken in {first - last:+.1f}..{end - last:+.1f} s after "
+                f"its hand-off; then {dict(near) or 'no connection lost, no kill'}"
+            )
+        return out
 
 
 def _drops(lines: list[str]) -> list[float]:
