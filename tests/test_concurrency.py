@@ -220,6 +220,33 @@ def test_a_waiter_that_never_comes_gives_its_turn_up(limiter: Limiter) -> None:
     assert limiter.acquire("k", one).allowed
 
 
+def test_a_reservation_held_back_only_by_busy_slots_keeps_its_rate_slot(
+    limiter: Limiter,
+) -> None:
+    """A reserved copy on time for its rate slot while every concurrency slot is still
+    held comes back at its turn in line, not behind the whole reserved line."""
+    both: list[Any] = [Limit("2/s"), Concurrency(2)]
+    running = [limiter.acquire("k", both, hold=0.2) for _ in range(2)]
+    assert all(r.allowed and r.token for r in running)
+    line = [limiter.acquire("k", both, reserve=True, hold=0.2) for _ in range(8)]
+    assert all(w.reserved and w.token for w in line)
+    assert line[-1].at - line[0].at >= 3.0  # the line reaches 4 s ahead
+    first = line[0]
+    assert first.token
+    while server_us(limiter.client) < first.at * 1e6:
+        time.sleep(0.01)
+    again = limiter.confirm(first.token, "k", both, hold=0.2)
+    assert again.reserved and again.token == first.token
+    assert again.retry_after < 1.0, again  # its turn, not after the 8th reservation
+    # a body ends: at its turn the copy starts, in the room its slot kept
+    limiter.release(running[0].token or "", "k", both)
+    while server_us(limiter.client) < again.at * 1e6:
+        time.sleep(0.01)
+    started = limiter.confirm(first.token, "k", both, hold=0.2)
+    assert started.allowed
+    assert bytes.fromhex(first.token) in holders(limiter, "k", both[1])
+
+
 # -- a turn handed over ------------------------------------------------------------------
 
 

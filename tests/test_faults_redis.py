@@ -268,3 +268,64 @@ def test_a_listener_that_never_answers_fails_the_decision_in_bounded_time() -> N
     # one attempt and one retry, each bounded by the socket timeout
     assert elapsed < 3, elapsed
     print(f"\n[listener that never answers] LimiterUnavailable after {elapsed:.2f}s")
+
+
+def test_a_reserved_copy_deferred_on_a_redis_error_keeps_its_slot() -> None:
+    """A deferred copy that finds the limiter's Redis down is published again with the
+    token it came with: its reserved slot (and its place in a concurrency line) stay its
+    own. The task's own ``before_start`` on a pushed request, a real broker and Redis."""
+    from celery import Celery
+    from celery.exceptions import Retry
+    from kombu.utils.json import loads
+
+    from celery_ratelimit import Concurrency, Limit, RateLimitedTask
+    from celery_ratelimit._celery.check import RETRIES_HEADER, TOKEN_HEADER
+
+    broker, redis_down = RedisServer(), RedisServer()
+    app = Celery("keeps-slot", broker=broker.url, set_as_current=False)
+    app.conf.update(ratelimit_redis_url=redis_down.url, ratelimit_redis_error_countdown=0.5)
+
+    @app.task(
+        base=RateLimitedTask,
+        ratelimit=[Limit("1/s", key="k"), Concurrency(1, key="k")],
+        bind=True,
+        shared=False,
+    )
+    def job(self: Any) -> None:
+        return None
+
+    task = app.tasks[job.name]
+
+    def run(headers: dict[str, Any]) -> dict[str, Any] | None:
+        """before_start on a pushed request; the copy it published, if any."""
+        task.push_request(
+            id="job-1",
+            is_eager=False,
+            called_directly=False,
+            args=(),
+            kwargs={},
+            delivery_info={},
+            retries=0,
+            **headers,
+        )
+        try:
+            task.before_start("job-1", (), {})
+            return None
+        except Retry:
+            raw = broker.client().rpop("celery")
+            assert raw is not None
+            return dict(loads(raw)["headers"])
+        finally:
+            task.pop_request()
+
+    try:
+        assert run({}) is None  # allowed: holds the slot and the second's budget
+        copy = run({})
+        assert copy is not None and copy.get(TOKEN_HEADER)  # denied: deferred, reserved
+        token = copy[TOKEN_HEADER]
+        redis_down.stop()
+        again = run({TOKEN_HEADER: token, RETRIES_HEADER: copy.get(RETRIES_HEADER, 0)})
+        assert again is not None and again[TOKEN_HEADER] == token
+    finally:
+        broker.close()
+        redis_down.close()

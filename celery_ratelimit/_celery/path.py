@@ -179,8 +179,11 @@ class Path:
             countdown = on_unavailable(self, exc)  # raises under the policy "raise"
             if countdown is None:  # "allow"
                 return State.START
-            # counted like a denial: a Redis down for good must not defer it forever
-            return self.to_defer(countdown, None, f"Redis error: {exc}", denial=True, why="redis")
+            # counted like a denial: a Redis down for good must not defer it forever. A
+            # reserved copy keeps its token: its slot and its place in a concurrency line
+            # stay its own (a Redis that lost them makes it start as a late task does)
+            slot = self.token if self.mode == CONFIRM else None
+            return self.to_defer(countdown, slot, f"Redis error: {exc}", denial=True, why="redis")
         if decision.allowed:
             return self.started(decision)
         nearby = HANDOFF_WAIT if self.handy else MAX_IN_PROCESS_WAIT

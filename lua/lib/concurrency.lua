@@ -117,5 +117,15 @@ local function conc_commit(c, status, at)
   end
 end
 
-concurrency = {gate = conc_gates, commit = conc_commit, handed = conc_handed}
+-- The call `c`, on time but held back by its turn at `at`, keeps its place in line (no
+-- later than `at`, and not so early that it would be given up before it comes back).
+local function conc_stay(c, at)
+  for _, cc in ipairs(c.concs) do
+    local mine = redis.call('ZSCORE', cc.w, c.token)
+    local place = mine and math.max(math.min(tonumber(mine), at), at - GRACE / 2) or at
+    conc_wait(cc, c.token, place, false)
+  end
+end
+
+concurrency = {gate = conc_gates, commit = conc_commit, handed = conc_handed, stay = conc_stay}
 end

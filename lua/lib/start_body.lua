@@ -11,7 +11,8 @@
 -- it is placed as a new reservation would be, counting every entry: taking the next
 -- room that started tasks leave would push the task due there, and that one the next,
 -- a chain of deferrals through the whole backlog; waiting longer in-process would make
--- every task after a late one wait as long.
+-- every task after a late one wait as long. A task on time but held back only by its
+-- turn in a concurrency line keeps its slot and comes back at that turn.
 -- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
 -- checked, by the same rule, in a window of one interval holding at most the burst
 -- (pace_window): a task whose copy came late never bunches with the starts before it.
@@ -72,6 +73,16 @@ local function start(c, cal, conc)
       s = log_start_in(pace_window(k), t0, now, hold)
       if s > start then start = s end
     end
+  end
+  if reserved and not paused and gate > now and gate_by > #c.logs + #c.cals
+    and start - now <= hold and start - t0 <= hold / 4 then
+    -- on time for its rate slot, held back only by its turn in a concurrency line: it
+    -- keeps its slot and its place in line and comes back at its turn. Placed anew, it
+    -- would go behind every reservation, and no later call could use the room it leaves.
+    for _, k in ipairs(ks) do log_flush(k) end
+    conc.stay(c, gate)
+    if cal then cal.commit(cals, 3, gate, now) end
+    return reply(3, gate, gate - now, gate_by, now, ks, cal, cals, c.concs)
   end
   if gate > now or start - now > hold or start - t0 > hold / 4 then
     -- no room soon counting what started: placed as a new reservation, not before the gate
