@@ -100,6 +100,13 @@ ANCHOR = "anchor: limits moving window hit"
 CALLS = 2_000
 
 
+def _table(title: str, rows: dict[str, Any], line: Callable[[str, Any], str]) -> None:
+    """Print one part of the results: its title, then a line per row."""
+    print(f"\n{title}")
+    for name, row in rows.items():
+        print(f"    {line(name, row)}")
+
+
 def _mean_us(fn: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -504,25 +511,34 @@ def main(argv: list[str]) -> int:
     finally:
         server.close()
     print(f"redis {results['redis_version']}, {rounds} interleaved rounds of {CALLS} calls")
-    print("\n(a) client side           mean us   x PING   (target acquire <= 1.10)")
-    for name, row in results["a_client_side"].items():
-        print(f"    {name:24} {row['mean_us']:8.2f} {row['x_ping']:8.3f}")
-    print("\n(b) server side           usec/call         (target <= 8, cost 1000 <= 1.2x)")
-    for name, row in results["b_server_side"].items():
-        if isinstance(row, dict):
-            print(f"    {name:24} {row['usec_per_call']:8.2f}")
-    for ratio in ("cost 1000 / cost 1", "cost 1, + aligned day / cost 1"):
-        print(f"    {ratio:24} {results['b_server_side'][ratio]:8.3f}")
-    print("\n(b2) a plain decision beside the bare script of its commands   usec/call")
-    for name, row in results["b2_plain_beside_bare"].items():
-        print(f"    {name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}")
-    print("\n(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)")
-    for name, row in results["c_memory"].items():
-        per = row.get("bytes_per_entry", "")
-        print(f"    {name:24} {per!s:>8} {row.get('bytes', '')!s:>8} {row.get('encoding', '')}")
-    print("\n(d) throughput            decisions/s   (one redis-server, one key per client)")
-    for name, row in results["d_throughput"].items():
-        print(f"    {name:24} {row['decisions_per_s']:8}")
+    _table(
+        "(a) client side           mean us   x PING   (target acquire <= 1.10)",
+        results["a_client_side"],
+        lambda name, row: f"{name:24} {row['mean_us']:8.2f} {row['x_ping']:8.3f}",
+    )
+    _table(
+        "(b) server side           usec/call         (target <= 8, cost 1000 <= 1.2x)",
+        results["b_server_side"],
+        lambda name, row: f"{name:24} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+    )
+    _table(
+        "(b2) a plain decision beside the bare script of its commands   usec/call",
+        results["b2_plain_beside_bare"],
+        lambda name, row: f"{name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+    )
+    _table(
+        "(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)",
+        results["c_memory"],
+        lambda name, row: (
+            f"{name:24} {row.get('bytes_per_entry', '')!s:>8} "
+            f"{row.get('bytes', '')!s:>8} {row.get('encoding', '')}"
+        ),
+    )
+    _table(
+        "(d) throughput            decisions/s   (one redis-server, one key per client)",
+        results["d_throughput"],
+        lambda name, row: f"{name:24} {row['decisions_per_s']:8}",
+    )
     print(f"\nwrote {save('limiter.json', results, indent=2)}")
     return 0
 
