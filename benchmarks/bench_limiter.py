@@ -89,7 +89,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 redis.call('HMGET', KEYS[3], 'pause', 'rate', 'up')
 local meta = redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
-local total, cutoff = tonumber(meta[1]) or 0, now - tonumber(ARGV[10])
+local total, cutoff = tonumber(meta[1]) or 0, now - tonumber(ARGV[11])
 if total > 500 then redis.call('ZCOUNT', KEYS[1], 1e13, cutoff) end
 local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, cutoff)
 redis.call('ZADD', KEYS[1], now, ARGV[1], total - gone + 1, '', -now, '+')
@@ -338,7 +338,7 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
         keys = [keys[0], keys[0] + ":r", f"bench-b2:{{bare{window}}}:settings"]
         logs[f"bare, {window}"] = keys[0]
         window_us = limits[0].fixed_rate.window_us
-        args = ["now", 1, 0, 0, 3_600_000_000, 0, 0, 1_000_000_000, window_us, 1]
+        args = ["now", 1, 0, 0, 3_600_000_000, 0, 0, 0, 1_000_000_000, window_us, 1, 0]
         ops[f"bare, {window}"] = lambda keys=keys, args=args: client.evalsha(
             bare, 3, *keys, os.urandom(8), *args
         )

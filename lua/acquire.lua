@@ -6,7 +6,8 @@
 --
 -- KEYS  the log of each limit (n), its pending set (n), its key's settings hash (n)
 -- ARGV  1 token (8 bytes), 2 flag, 3 n, 4-5 "0" "0", 6 horizon µs, 7 guard µs,
---       8 hold µs, then (limit, window µs, cost) of each limit: as lib/call.lua's
+--       8 hold µs, 9 lead "0", then (limit, window µs, cost 1, burst "0") of each
+--       limit: as lib/call.lua's
 -- flag  "now": count it now, or deny (status 1 or 0); "reserve": count it now, else at
 --       the earliest instant it fits within the horizon (status 2, the slot kept in the
 --       pending set; 6 when within `hold`), else deny; "peek": as "now", writing nothing
@@ -16,7 +17,8 @@
 -- Every call of a plain limit runs this file, so it is written for the Lua work Redis
 -- does per call: one pass over the limits, a small array per limit built whole, no
 -- closures, the settings hash read once for consecutive limits of one key. The cost in
--- ARGV is always 1 here (scripts.Shape.plain), so it is not read.
+-- ARGV is always 1 here (scripts.Shape.plain), so it is not read; a lead or a burst
+-- sends the call to acquire_full.lua.
 
 local ENTRY_FLOOR = 1e13
 local PRUNE_BATCH = 500
@@ -27,7 +29,7 @@ local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local token, flag, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local write = flag ~= 'peek'
-if #ARGV ~= 8 + 3 * n then return {8} end  -- a pace or a lead
+if #ARGV ~= 9 + 4 * n or ARGV[9] ~= '0' then return {8} end
 local guard = tonumber(ARGV[7])
 
 -- each limit: its key's settings (a pause holds the call until then; a rate override in
@@ -38,7 +40,8 @@ local guard = tonumber(ARGV[7])
 local KEY, LIMIT, WINDOW, TOTAL, STALE, NEWEST, EXPIRY, DIRTY = 1, 2, 3, 4, 5, 6, 7, 8
 local ks, gate, s, status, at, denied_by = {}, now, nil, 1, now, 0
 for i = 1, n do
-  local a = 6 + 3 * i
+  local a = 6 + 4 * i
+  if ARGV[a + 3] ~= '0' then status = 8 break end  -- a paced limit
   local limit, window = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local hash = KEYS[2 * n + i]
   if i == 1 or hash ~= KEYS[2 * n + i - 1] then s = call('HMGET', hash, 'pause', 'rate', 'up') end

@@ -4,7 +4,8 @@
 -- counted now or denied with the time until it fits. The decision:
 -- lib/counter_body.lua. Composed for each call as acquire_full.lua is: "+cal" with
 -- lib/calendar.lua for calendar-aligned limits, "+conc" with lib/concurrency.lua for
--- concurrency limits besides its counters ("counter+cal+conc").
+-- concurrency limits besides its counters, "+pace" with lib/pace.lua when a counter is
+-- paced ("counter+pace+cal+conc").
 --
 -- KEYS and ARGV: a decision's (lib/call.lua), with no pending sets. Each sliding
 -- limit's key is a hash: w = the current fixed window's number (now // window), c = the
@@ -14,7 +15,7 @@
 
 --- @include "lib/call.lua"
 --- @include "lib/seen.lua"
---- @include "lib/pace.lua"
+--- @include "lib/pace.lua" if pace else "lib/no_pace.lua"
 --- @include "lib/calendar.lua" if cal else local calendar = nil
 --- @include "lib/concurrency.lua" if conc else local concurrency = nil
 --- @include "lib/reply.lua"

@@ -65,13 +65,15 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
     assert f"return '{WINDOW_META}' .. string.format" in source("acquire_full+cal")
-    assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source(full)
-    assert f"local PACE_FIELD = '{PACE_FIELD}'" in source("counter")
+    for name in (full, "acquire_full+log+pace", "counter", "counter+pace"):  # no_pace.lua, pace.lua
+        assert f"local PACE_MEMBER = '{PACE_MEMBER}'" in source(name)
+        assert f"local PACE_FIELD = '{PACE_FIELD}'" in source(name)
 
 
 #: What only the script of a call with each feature holds: the functions of its library.
 FEATURE_CODE = {
-    "log": ("local function log_prune", "local function log_free_at", "local PACE_MEMBER"),
+    "log": ("local function log_prune", "local function log_free_at"),
+    "pace": ("local function pace_take",),
     "cal": ("local calendar\n", "local function cal_"),
     "conc": ("local concurrency\n", "local function conc_"),
     "fair": ("local function fair_place",),
@@ -85,8 +87,6 @@ def test_a_composed_script_holds_the_code_of_its_features_only(name: str) -> Non
     assert "--- @include" not in text, name
     for feature in FEATURES:
         for code in FEATURE_CODE[feature]:
-            if feature == "log" and file == "counter":
-                continue  # the counter's own pace (lib/pace.lua), never the log
             if code == "local function log_free_at" and file in ("release", "settle"):
                 continue  # they edit the log, never search it
             assert (code in text) == (feature in features), (name, code)
@@ -131,8 +131,8 @@ def test_a_script_reads_no_name_it_does_not_define(name: str, tmp_path: Path) ->
 def test_a_call_runs_the_script_of_what_it_declares() -> None:
     plain, fair = shape((Limit("10/s"),), 1), True
     assert plain.script("acquire") == "acquire"
-    for full in (shape((Limit("10/s"),), 2), shape((Limit("10/s", burst=2),), 1)):
-        assert full.script("acquire") == "acquire_full+log"
+    assert shape((Limit("10/s"),), 2).script("acquire") == "acquire_full+log"
+    assert shape((Limit("10/s", burst=2),), 1).script("acquire") == "acquire_full+log+pace"
     day, two = Limit("10/d", align="UTC"), Concurrency(2)
     for limits, features in (
         ((Limit("10/s"),), "+log"),
@@ -154,6 +154,8 @@ def test_a_call_runs_the_script_of_what_it_declares() -> None:
         assert counter.script("release") == "release" + features.replace("+log", "")
     # a fair queue orders one sliding limit's calls, or one Concurrency's alone
     assert plain.script("acquire", fair) == "acquire_full+log+fair"
+    paced = shape((Limit("10/s", burst=2),), 1)
+    assert paced.script("acquire", fair) == "acquire_full+log+pace+fair"
     assert shape((two,), 1).script("acquire", fair) == "acquire_full+conc+fair"
 
 

@@ -162,12 +162,26 @@ def test_a_bad_burst_is_refused_at_declaration(kwargs: dict[str, object], match:
         ratelimit(rate, **kwargs)  # type: ignore[arg-type]
 
 
-def test_burst_none_sends_what_an_unpaced_call_always_sent() -> None:
-    from celery_ratelimit._engine.scripts import shape
+def test_a_paced_call_runs_a_script_composed_with_the_pace_and_sends_its_bursts() -> None:
+    """Each sliding limit sends its burst (0: not paced) after (limit, window, cost), at
+    the same place in every call: no marker. Only a paced call's acquisition, start and
+    counter carry lib/pace.lua; a release or a settle never moves a pace."""
+    from celery_ratelimit._engine.scripts import shape, source
 
     plain = shape((Limit("10/s"),), 1)
-    assert "#pace" not in plain.arguments()
-    assert shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1).paces == ("#pace", 2, 0)
+    assert plain.plain and plain.script("acquire") == "acquire"
+    assert plain.arguments()[6:] == [0, 10, 1_000_000, 1, 0]  # lead, then the limit's four
+    assert plain.script("start") == "start+log"
+    paced = shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1)
+    assert not paced.plain
+    assert paced.arguments()[7:] == [10, 1_000_000, 1, 2, 5, 1_000_000, 1, 0]
+    assert paced.script("acquire") == "acquire_full+log+pace"
+    assert paced.script("start") == "start+log+pace"
+    assert paced.script("release") == "release+log"
+    assert "local function pace_take" in source("start+log+pace")
+    assert "local function pace_take" not in source("start+log")
+    counted = shape((Limit("10/s", burst=2, algorithm="counter"),), 1)
+    assert counted.script("counter") == "counter+pace"
 
 
 def test_async_and_sync_limiters_share_one_pace(redis_url: str, limiter: Limiter) -> None:

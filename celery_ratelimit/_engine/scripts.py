@@ -32,9 +32,9 @@ from .exceptions import InvalidLimit
 from .limit import DEFAULT_LEASE, Concurrency, check_cost
 
 #: The features a decision's entry script is composed with (its ``@include ... if``
-#: lines), in the order a name gives them: sliding log limits, calendar-aligned limits,
-#: concurrency limits, a reservation's fair queue.
-FEATURES = ("log", "cal", "conc", "fair")
+#: lines), in the order a name gives them: sliding log limits, a paced sliding limit,
+#: calendar-aligned limits, concurrency limits, a reservation's fair queue.
+FEATURES = ("log", "pace", "cal", "conc", "fair")
 
 
 def _sets(*features: str) -> tuple[tuple[str, ...], ...]:
@@ -45,16 +45,26 @@ def _sets(*features: str) -> tuple[tuple[str, ...], ...]:
     return tuple(one for one in subsets[1:])
 
 
+def _paced(sets: tuple[tuple[str, ...], ...], log: bool = True) -> tuple[tuple[str, ...], ...]:
+    """``sets`` and, for each with a sliding limit (with a log, when ``log``), the same
+    set with ``"pace"``: a paced call's."""
+    more = [
+        tuple(f for f in FEATURES if f in (*one, "pace")) for one in sets if "log" in one or not log
+    ]
+    return (*sets, *more)
+
+
 #: The entry scripts composed by feature, and every set of features a call can ask for
 #: (:meth:`Shape.script`). A call has some limit; a counter's release or settle has no
 #: log to edit, nor a settle anything to do for a concurrency limit; a fair queue
-#: orders the calls of one sliding limit, or of one Concurrency and nothing else.
+#: orders the calls of one sliding limit, or of one Concurrency and nothing else; a
+#: pace is taken by an acquisition or a start (a release or a settle never moves it).
 COMPOSED: dict[str, tuple[tuple[str, ...], ...]] = {
-    "acquire_full": (*_sets("log", "cal", "conc"), ("log", "fair"), ("conc", "fair")),
-    "start": _sets("log", "cal", "conc"),
+    "acquire_full": _paced((*_sets("log", "cal", "conc"), ("log", "fair"), ("conc", "fair"))),
+    "start": _paced(_sets("log", "cal", "conc")),
     "release": ((), *_sets("log", "cal", "conc")),
     "settle": ((), *_sets("log", "cal")),
-    "counter": ((), *_sets("cal", "conc")),
+    "counter": _paced(((), *_sets("cal", "conc")), log=False),
 }
 #: The script a call the plain ``acquire.lua`` leaves goes to (see :data:`FULL`).
 ACQUIRE_FULL = "acquire_full+log"
@@ -247,6 +257,8 @@ class Shape:
         features = []
         if self.logged and operation != "counter":
             features.append("log")
+        if self.paced and operation in ("acquire", "start", "counter"):
+            features.append("pace")
         if self.aligned:
             features.append("cal")
         if self.concurrent and operation != "settle":
@@ -267,7 +279,7 @@ class Shape:
         """Sliding limits only, unpaced, at cost 1, with no lead: a call the plain
         ``acquire.lua`` decides (and hands to ``acquire_full.lua`` only in the cases its
         header names)."""
-        return not self.gated and not self.paces and self.lead == 0 and set(self.costs) <= {1}
+        return not self.gated and not self.paced and self.lead == 0 and set(self.costs) <= {1}
 
     @cached_property
     def args(self) -> tuple[int, ...]:
@@ -300,9 +312,12 @@ class Shape:
             _us(horizon),
             _us(self.guard),
             _us(self.hold),
+            _us(lead),
         ]
         for limit, cost in rates:
             numbers += (limit.fixed_rate.limit, limit.fixed_rate.window_us, cost)
+            if limit.align is None:
+                numbers.append(limit.burst or 0)  # 0: not paced
         return tuple(numbers)
 
     @cached_property
@@ -315,17 +330,12 @@ class Shape:
         return tuple(numbers)
 
     @cached_property
-    def paces(self) -> tuple[int | str, ...]:
-        """``"#pace"`` and the burst of every sliding limit (0: none) when any is paced
-        (``Limit(burst=...)``, see ``lua/lib/pace.lua``); nothing when none is, so an
-        unpaced call sends what it always did. A fair-key value may follow: escaped,
-        it never holds a ``#``, so it is never taken for the marker."""
-        bursts = [
-            limit.burst or 0
+    def paced(self) -> bool:
+        """Is a sliding limit paced (``Limit(burst=...)``, see ``lua/lib/pace.lua``)?"""
+        return any(
+            not isinstance(limit, Concurrency) and limit.align is None and limit.burst
             for limit in self.limits
-            if not isinstance(limit, Concurrency) and limit.align is None
-        ]
-        return ("#pace", *bursts) if any(bursts) else ()
+        )
 
     @cached_property
     def counter(self) -> bool:
@@ -345,15 +355,11 @@ class Shape:
 
     def arguments(self) -> list[int | str]:
         """ARGV[3] on: :attr:`args`, the aligned limits' window boundaries around this
-        machine's clock now, :attr:`leases`, :attr:`paces`, and ``"#lead"`` with the
-        lead when there is one (a call without sends what it always did)."""
+        machine's clock now, and :attr:`leases`."""
         every: list[int | str] = list(self.args)
         for window, zone in self.aligned:
             every += boundaries(window, zone)
         every += self.leases
-        every += self.paces
-        if self.lead > 0:
-            every += ("#lead", _us(self.lead))
         return every
 
 

@@ -9,7 +9,7 @@
 -- what started and a slot of the window was abandoned (lib/log.lua, log_abandoned): a
 -- start confirmed late would take that room too.
 --
--- A grant is counted c.lead after now (lib/call.lua's "#lead"): where its body's first
+-- A grant is counted c.lead after now (lib/call.lua's ARGV[9]): where its body's first
 -- request is expected to reach its server (celery_ratelimit/_green.py, lead).
 --
 -- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a

@@ -18,12 +18,11 @@
 --      is checked in a window g / 2 wider (a body begins a moment after its check)
 --   8  hold, µs: a start due no further ahead than this is granted for that instant
 --      (status 6) and the caller waits for it in-process; 0: never
---   then (limit, window µs, cost) of each sliding limit and of each aligned limit, the
---   six window boundaries (µs) of each aligned limit (see lib/calendar.lua), and
---   (most, lease µs) of each concurrency limit; when a sliding limit is paced, the
---   word "#pace" (no escaped fair-key value holds a #) and the burst of each sliding
---   limit (0: not paced, see lib/pace.lua); when a grant is to be counted later than
---   now (acquire.lua), the word "#lead" and that lead, µs;
+--   9  lead, µs: an acquisition's grant is counted this long after now (0: now)
+--   then (limit, window µs, cost, burst) of each sliding limit (burst 0: not paced, see
+--   lib/pace.lua; a paced call's script is composed with it), (limit, window µs, cost)
+--   of each aligned limit, the six window boundaries (µs) of each aligned limit (see
+--   lib/calendar.lua), and (most, lease µs) of each concurrency limit;
 --   a call with a fair queue adds its fair-key value and its weight; a settle adds,
 --   last, the weight each rate limit counted the call at.
 --
@@ -45,14 +44,17 @@ local function read_call(keys, argv, pending)
   local t = redis.call('TIME')
   local c = {now = tonumber(t[1]) * 1000000 + tonumber(t[2]), token = argv[1],
     flag = argv[2], horizon = tonumber(argv[6]), guard = tonumber(argv[7]),
-    hold = tonumber(argv[8]), logs = {}, cals = {}, concs = {}, settings = {}}
+    hold = tonumber(argv[8]), lead = tonumber(argv[9]), logs = {}, cals = {}, concs = {},
+    settings = {}}
   local n, na, nc = tonumber(argv[3]), tonumber(argv[4]), tonumber(argv[5])
-  local a, k = 9, n + 1
+  local a, k = 10, n + 1
   if pending then k = 2 * n + 1 end
   for i = 1, n do
     c.logs[i] = {key = keys[i], pending = pending and keys[n + i] or nil,
       limit = tonumber(argv[a]), window = tonumber(argv[a + 1]), cost = tonumber(argv[a + 2])}
-    a = a + 3
+    local burst = tonumber(argv[a + 3])
+    if burst > 0 then c.logs[i].burst = burst end
+    a = a + 4
   end
   for j = 1, na do
     c.cals[j] = {key = keys[k], limit = tonumber(argv[a]), window = tonumber(argv[a + 1]),
@@ -69,18 +71,6 @@ local function read_call(keys, argv, pending)
     c.concs[j] = {h = keys[k], s = keys[k + 1], w = keys[k + 2], most = tonumber(argv[a]),
       lease = tonumber(argv[a + 1]), free = 0}
     k, a = k + 3, a + 2
-  end
-  if argv[a] == '#pace' then
-    for i = 1, n do
-      local burst = tonumber(argv[a + i])
-      if burst > 0 then c.logs[i].burst = burst end
-    end
-    a = a + n + 1
-  end
-  c.lead = 0
-  if argv[a] == '#lead' then
-    c.lead = tonumber(argv[a + 1])
-    a = a + 2
   end
   for i = k, k + n + na + nc - 1 do c.settings[#c.settings + 1] = keys[i] end
   c.rest = a  -- the first ARGV after the call's numbers

@@ -22,7 +22,7 @@
 -- every entry later than s - W; g never grows with s, so the earliest such s is where
 -- enough weight has left (log_free_at): retry_after is exact.
 
---- @include "lib/pace.lua"
+--- @include "lib/pace.lua" if pace else "lib/no_pace.lua"
 
 local TTL_MARGIN_MS = 1000
 -- At most this many expired entries are removed per call once a log holds more (the
