@@ -264,3 +264,24 @@ def test_a_templated_key_is_reset_overridden_and_shown_by_the_key_as_written(
 def limiter_url(limiter: Limiter) -> str:
     kwargs = limiter.client.connection_pool.connection_kwargs
     return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
+
+
+def test_a_script_is_composed_from_the_files_read_at_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose package is upgraded in place under it composes its later scripts
+    from the files its Python was written for: composing reads no file."""
+    import pathlib
+
+    from celery_ratelimit._engine import scripts
+
+    def refuse(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a Lua file was read after import")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", refuse)
+    scripts.source.cache_clear()
+    try:
+        assert all(scripts.source(name) for name in NAMES)
+    finally:
+        monkeypatch.undo()
+        scripts.source.cache_clear()

@@ -126,11 +126,27 @@ def source(name: str) -> str:
 
 
 def _read(filename: str) -> str:
-    """A file of ``lua/``: packaged in the wheel, or beside the package in a checkout."""
-    packaged = resources.files("celery_ratelimit").joinpath("lua", *filename.split("/"))
-    if packaged.is_file():
-        return packaged.read_text(encoding="utf-8")
-    return (Path(__file__).resolve().parents[2] / "lua" / filename).read_text(encoding="utf-8")
+    """A file of ``lua/``, as it was when this module was imported (:data:`_LUA`)."""
+    return _LUA[filename]
+
+
+def _lua_files() -> dict[str, str]:
+    """Every file of ``lua/`` by its name there (``"lib/log.lua"``): packaged in the
+    wheel, or beside the package in a checkout."""
+    packaged = resources.files("celery_ratelimit").joinpath("lua")
+    root: Any = packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "lua"
+    files = {}
+    for folder, prefix in ((root, ""), (root / "lib", "lib/")):
+        for one in folder.iterdir():
+            if one.name.endswith(".lua"):
+                files[prefix + one.name] = one.read_text(encoding="utf-8")
+    return files
+
+
+#: The Lua files, read once at import: a script composed later is made of the files this
+#: process's Python was written for, even when the package is upgraded in place under a
+#: running worker (its other files would send the old ARGV to the new code).
+_LUA = _lua_files()
 
 
 def is_counter(limits: tuple[Any, ...]) -> bool:
