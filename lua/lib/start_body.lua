@@ -79,10 +79,13 @@ local function start(c, cal, conc)
     -- on time for its rate slot, held back only by its turn in a concurrency line: it
     -- keeps its slot and its place in line and comes back at its turn. Placed anew, it
     -- would go behind every reservation, and no later call could use the room it leaves.
+    -- (not before its own slot either, when it came early)
+    local at, by = math.max(gate, start), start > gate and 0 or gate_by
+    if cal and at > gate then at = cal.gate(c, cals, at, 0) end
     for _, k in ipairs(ks) do log_flush(k) end
-    conc.stay(c, gate)
-    if cal then cal.commit(cals, 3, gate, now) end
-    return reply(3, gate, gate - now, gate_by, now, ks, cal, cals, c.concs)
+    conc.stay(c, at)
+    if cal then cal.commit(cals, 3, at, now) end
+    return reply(3, at, at - now, by, now, ks, cal, cals, c.concs)
   end
   if gate > now or start - now > hold or start - t0 > hold / 4 then
     -- no room soon counting what started: placed as a new reservation, not before the gate
