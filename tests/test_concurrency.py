@@ -247,6 +247,26 @@ def test_a_reservation_held_back_only_by_busy_slots_keeps_its_rate_slot(
     assert bytes.fromhex(first.token) in holders(limiter, "k", both[1])
 
 
+def test_an_early_reservation_held_back_by_busy_slots_comes_back_not_before_its_slot(
+    limiter: Limiter,
+) -> None:
+    both: list[Any] = [Limit("2/s"), Concurrency(2)]
+    for _ in range(3):  # bodies of about 20 ms: a turn is expected moments away
+        held = limiter.acquire("k", both[1:])
+        assert held.token
+        time.sleep(0.02)
+        limiter.release(held.token, "k", both[1:])
+    running = [limiter.acquire("k", both, hold=0.2) for _ in range(2)]
+    assert all(r.allowed for r in running)
+    first = limiter.acquire("k", both, reserve=True, hold=0.2)
+    assert first.reserved and first.token
+    while server_us(limiter.client) < (first.at - 0.1) * 1e6:
+        time.sleep(0.01)
+    early = limiter.confirm(first.token, "k", both, hold=0.2)
+    assert early.reserved and early.token == first.token
+    assert early.at >= first.at, (early.at, first.at)
+
+
 # -- a turn handed over ------------------------------------------------------------------
 
 
