@@ -81,7 +81,7 @@ NAMES = (
     "index",
 )
 #: The scripts a limiter loads when it checks Redis (its first call): every one but the
-#: compositions with aligned or concurrency limits or a fair queue, which the first call
+#: compositions with a pace, aligned or concurrency limits or a fair queue, which the first call
 #: sending one loads (EVALSHA, then SCRIPT LOAD on NOSCRIPT) so that Redis holds only
 #: those the limiter's calls declare.
 PRELOADED = tuple(name for name in NAMES if set(name.split("+")[1:]) <= {"log"})
