@@ -51,8 +51,6 @@ app.conf.update(
     ratelimit_key_prefix=PREFIX,
     ratelimit_on_redis_error="defer",
     ratelimit_redis_error_countdown=1.0,
-    # an ETA message never outlives the broker's visibility timeout below
-    ratelimit_max_countdown=10.0,
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,
     worker_prefetch_multiplier=1,
@@ -70,6 +68,11 @@ app.conf.update(
 )
 if os.environ.get("SOAK_REDIS"):
     app.conf.ratelimit_redis_url = os.environ["SOAK_REDIS"]
+    # The park is off (it is on only on the broker's Redis): a deferred copy waits in
+    # the broker as an ETA message, which must not outlive the visibility timeout above.
+    # With the park on, a copy due later than ratelimit_park_after waits in the park,
+    # so the default configuration keeps the default horizon (600 s).
+    app.conf.ratelimit_max_countdown = 10.0
 
 
 def record(task: Any, event: str, **extra: Any) -> None:
