@@ -237,8 +237,12 @@ class Soak:
         return 0 if ok else 1
 
     def drain(self) -> None:
-        """Wait until idle, or ``--drain`` seconds."""
-        deadline = time.monotonic() + self.args.drain
+        """Wait until idle, or ``--drain`` seconds (by default 600, or 60% of the run when
+        that is longer: the backlog left when the faults end grows with the run)."""
+        longest = self.args.drain
+        if longest is None:
+            longest = max(600.0, 0.6 * 60 * self.args.minutes)
+        deadline = time.monotonic() + longest
         last = 0.0
         same, since = [""], time.monotonic()
         while (waiting := self.idle()) and time.monotonic() < deadline:
@@ -265,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--broker", choices=["redis", "rabbitmq"], default="redis")
     parser.add_argument("--own-redis", action="store_true", help="a Redis for the limiter")
-    parser.add_argument("--drain", type=float, default=600.0, help="seconds to wait at most")
+    parser.add_argument(
+        "--drain", type=float, help="seconds to wait at most (default: 600, or 60%% of the run)"
+    )
     parser.add_argument("--workdir", help="where the record and the nodes' logs go")
     return Soak(parser.parse_args(argv)).run()
 
