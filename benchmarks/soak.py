@@ -45,7 +45,7 @@ from typing import Any
 from celery import Celery
 
 from benchmarks.soak_app import LEASE
-from benchmarks.soak_check import Record, broker_leftovers, held, judge
+from benchmarks.soak_check import Record, broker_leftovers, by_class, held, judge
 from benchmarks.soak_faults import NODE_FAULTS, Fault, PrivateRabbit, RedisBox, schedule
 from benchmarks.soak_nodes import APP, NODES, Supervisor, say
 from tests.upstream import Upstream
@@ -90,6 +90,7 @@ class Soak:
         self.record = Record(self.workdir / "runs.jsonl")
         self.sent: dict[str, float] = {}  # task id -> when it was sent (epoch seconds)
         self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.happened: list[tuple[float, Fault]] = []  # (epoch seconds, the fault) once done
         self.prefix = f"soak{args.seed}"
         self.boxes: dict[str, RedisBox] = {}
         self.rabbit: PrivateRabbit | None = None
@@ -108,6 +109,7 @@ class Soak:
 
     def fault(self, fault: Fault, supervisor: Supervisor) -> None:
         time.sleep(max(0.0, self.t0 + fault.at - time.monotonic()))
+        began = time.time()
         try:
             if fault.kind in NODE_FAULTS:
                 outcome = supervisor.run(fault)
@@ -125,6 +127,8 @@ class Soak:
         except Exception as exc:  # reported, and counted against the soak
             outcome = f"error: {exc!r}"[:200]
         self.outcomes[fault.kind, outcome.split(" ")[0]] += 1
+        if outcome == "done":
+            self.happened.append((began, fault))
         say(self.t0, f"{fault}: {outcome}")
 
     def produce(self, app: Celery, sends: list[tuple[float, str, list[Any], str]]) -> None:
@@ -221,6 +225,9 @@ class Soak:
         for kind in sorted({k for k, _ in self.outcomes}):
             outcomes = {o: n for (k, o), n in self.outcomes.items() if k == kind}
             print(f"  {kind:<14} {outcomes}")
+        print("what each fault class did:")
+        for line in by_class(self.happened, self.record, verdict.gap_at):
+            print(f"  {line}")
         done = sum(n for (_, o), n in self.outcomes.items() if o == "done")
         held_after = len(left) + len(supervisor.hung)
         errors = sum(n for (_, o), n in self.outcomes.items() if o.startswith("error"))

@@ -62,6 +62,7 @@ class Record:
     starts: list[dict[str, Any]] = field(default_factory=list)
     done: Counter[str] = field(default_factory=Counter)
     ends: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     _offset: int = 0
 
     def read(self) -> None:
@@ -78,6 +79,7 @@ class Record:
                 self.starts.append(line)
             else:
                 self.done[line["id"]] += 1
+                self.finished[line["id"]].append(line["t"])
                 if "run" in line:
                     self.ends[line["run"]] = line["t"]
 
@@ -91,6 +93,9 @@ class Verdict:
     over_limit: int
     details: list[str]
     gap: int
+    #: each task counted apart in kombu's gap: when it was lost (the kill -9, or the
+    #: first connection lost while its neighbours were taken in)
+    gap_at: dict[str, float] = field(default_factory=dict)
 
 
 def judge(
@@ -147,6 +152,7 @@ def judge(
     received = {i for i in lost if any(i in line and "received" in line for line in lines)}
     published, receipts = _stamps(lines, _PUBLISHED), _stamps(lines, _RECEIVED)
     gap = set()
+    gap_at: dict[str, float] = {}
     for i in lost:
         if i in received:
             # taken in once, deferred and parked: its copy's hand-off is the mover's
@@ -156,8 +162,10 @@ def judge(
             handed = max(published[i])
         else:
             handed = max(sent[i], due.get(i, 0.0) - PARK_LEAD, *published.get(i, []))
-        if any(-LATE <= kill - handed <= GAP for kill in kills):
+        near = [kill for kill in kills if -LATE <= kill - handed <= GAP]
+        if near:
             gap.add(i)
+            gap_at[i] = near[0]
     if gap:
         details.append(f"kombu: {len(gap)} lost at a kill -9, never taken in: {sorted(gap)}")
     lost -= gap
@@ -170,6 +178,10 @@ def judge(
             f"kombu: {len(cut)} lost at a lost broker connection, popped then: {sorted(cut)}"
         )
         details += fifo.trace(sorted(cut)[:10])
+    for i in cut:
+        span = fifo.span(i)
+        assert span is not None
+        gap_at[i] = min(w for w, _ in fifo.lost_at if span[1] - LATE <= w <= span[2] + LATE)
     gap |= cut
     lost -= cut
     if lost:
@@ -188,7 +200,74 @@ def judge(
         over_limit=over,
         details=details,
         gap=len(gap),
+        gap_at=gap_at,
     )
+
+
+#: a fault is put down as the cause of what happened at most this long after it ends
+#: (seconds): a duplicate's first run interrupted or its ack lost, a loss in kombu's gap
+CAUSE = 5.0
+#: a fault's effect on the grants: those in this many seconds after it over the same
+#: span before it
+SPAN = 10.0
+
+
+def by_class(
+    faults: list[tuple[float, Any]], record: Record, gap_at: dict[str, float]
+) -> list[str]:
+    """A line per fault class: how many ran; the duplicates put down to it (the first
+    fault that hit the node of a duplicate's first run, or a server, from that run's
+    start to :data:`CAUSE` s after its end, or to the second run when it never ended);
+    the losses in kombu's gap put down to it (the latest fault that began at most
+    :data:`CAUSE` s before the kill or the connection lost, or was still going on);
+    and the median, over its faults, of the grants in the :data:`SPAN` s after it over
+    those in the span before (``faults``: the epoch seconds each began, and the fault)."""
+    grants = sorted(s["t"] for s in record.starts)
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for start in record.starts:
+        runs[start["id"]].append(start)
+    ordered = sorted(faults, key=lambda f: f[0])
+    dups: Counter[str] = Counter()
+    for i, n in record.done.items():
+        if n < 2 or len(runs[i]) < 2:
+            continue
+        first, second = sorted(runs[i], key=lambda s: s["t"])[:2]
+        ends = [t for t in record.finished[i] if first["t"] <= t < second["t"]]
+        until = ends[0] + CAUSE if ends else second["t"]
+        node = str(first.get("node", "")).split("@")[0]
+        cause = next(
+            (
+                f.kind
+                for when, f in ordered
+                if when + f.hold >= first["t"] - 1.0
+                and when <= until
+                and (f.target == node or not f.target.startswith("node"))
+            ),
+            "none found",
+        )
+        dups[cause] += 1
+    lost: Counter[str] = Counter()
+    for at in gap_at.values():
+        near = [f.kind for when, f in ordered if when - 1.0 <= at <= when + f.hold + CAUSE]
+        # (1 s of slack: the fault's instant is taken just before it is done)
+        lost[near[-1] if near else "none found"] += 1
+    effect: dict[str, list[float]] = defaultdict(list)
+    for when, f in ordered:
+        before = bisect.bisect_left(grants, when) - bisect.bisect_left(grants, when - SPAN)
+        after = bisect.bisect_left(grants, when + SPAN) - bisect.bisect_left(grants, when)
+        if before:
+            effect[f.kind].append(after / before)
+    kinds = sorted({f.kind for _, f in faults} | set(dups) | set(lost))
+    out = []
+    for kind in kinds:
+        ratios = sorted(effect.get(kind, []))
+        median = f"{ratios[len(ratios) // 2]:.2f}" if ratios else "-"
+        count = sum(1 for _, f in faults if f.kind == kind)
+        out.append(
+            f"{kind:<14} faults={count} dup={dups[kind]} lost_in_gap={lost[kind]} "
+            f"grants_after/before={median}"
+        )
+    return out
 
 
 class Fifo:
