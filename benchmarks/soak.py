@@ -226,7 +226,7 @@ class Soak:
             outcomes = {o: n for (k, o), n in self.outcomes.items() if k == kind}
             print(f"  {kind:<14} {outcomes}")
         print("what each fault class did:")
-        for line in by_class(self.happened, self.record, verdict.gap_at):
+        for line in by_class(self.happened, self.record, verdict.gap_at, self.workdir):
             print(f"  {line}")
         done = sum(n for (_, o), n in self.outcomes.items() if o == "done")
         held_after = len(left) + len(supervisor.hung)

@@ -213,53 +213,26 @@ SPAN = 10.0
 
 
 def by_class(
-    faults: list[tuple[float, Any]], record: Record, gap_at: dict[str, float]
+    faults: list[tuple[float, Any]],
+    record: Record,
+    gap_at: dict[str, float],
+    logs: Path | None = None,
 ) -> list[str]:
-    """A line per fault class: how many ran; the duplicates put down to it (the first
-    fault that hit the node of a duplicate's first run, or a server, from that run's
-    start to :data:`CAUSE` s after its end, or to the second run when it never ended);
-    the losses in kombu's gap put down to it (the latest fault that began at most
-    :data:`CAUSE` s before the kill or the connection lost, or was still going on);
-    and the median, over its faults, of the grants in the :data:`SPAN` s after it over
-    those in the span before (``faults``: the epoch seconds each began, and the fault)."""
-    grants = sorted(s["t"] for s in record.starts)
-    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for start in record.starts:
-        runs[start["id"]].append(start)
+    """A line per fault class: how many ran, the duplicates (:func:`_dup_causes`) and
+    the losses in kombu's gap (:func:`_gap_causes`) put down to it, and the median, over
+    its faults, of the grants in the :data:`SPAN` s after it over those in the span
+    before (``faults``: the epoch seconds each began, and the fault)."""
     ordered = sorted(faults, key=lambda f: f[0])
-    dups: Counter[str] = Counter()
-    for i, n in record.done.items():
-        if n < 2 or len(runs[i]) < 2:
-            continue
-        first, second = sorted(runs[i], key=lambda s: s["t"])[:2]
-        ends = [t for t in record.finished[i] if first["t"] <= t < second["t"]]
-        until = ends[0] + CAUSE if ends else second["t"]
-        node = str(first.get("node", "")).split("@")[0]
-        cause = next(
-            (
-                f.kind
-                for when, f in ordered
-                if when + f.hold >= first["t"] - 1.0
-                and when <= until
-                and (f.target == node or not f.target.startswith("node"))
-            ),
-            "none found",
-        )
-        dups[cause] += 1
-    lost: Counter[str] = Counter()
-    for at in gap_at.values():
-        near = [f.kind for when, f in ordered if when - 1.0 <= at <= when + f.hold + CAUSE]
-        # (1 s of slack: the fault's instant is taken just before it is done)
-        lost[near[-1] if near else "none found"] += 1
+    dups, lost = _dup_causes(ordered, record, logs), _gap_causes(ordered, gap_at)
+    grants = sorted(s["t"] for s in record.starts)
     effect: dict[str, list[float]] = defaultdict(list)
     for when, f in ordered:
         before = bisect.bisect_left(grants, when) - bisect.bisect_left(grants, when - SPAN)
         after = bisect.bisect_left(grants, when + SPAN) - bisect.bisect_left(grants, when)
         if before:
             effect[f.kind].append(after / before)
-    kinds = sorted({f.kind for _, f in faults} | set(dups) | set(lost))
     out = []
-    for kind in kinds:
+    for kind in sorted({f.kind for _, f in faults} | set(dups) | set(lost)):
         ratios = sorted(effect.get(kind, []))
         median = f"{ratios[len(ratios) // 2]:.2f}" if ratios else "-"
         count = sum(1 for _, f in faults if f.kind == kind)
@@ -268,6 +241,54 @@ def by_class(
             f"grants_after/before={median}"
         )
     return out
+
+
+def _dup_causes(
+    ordered: list[tuple[float, Any]], record: Record, logs: Path | None
+) -> Counter[str]:
+    """The class of the fault each duplicate is put down to: the first that hit the node
+    of its first run, or a server, from that run's start (1 s of slack: a fault's
+    instant is taken just before it is done) to :data:`CAUSE` s after its end (its
+    acknowledgement lost), or to the second run when it never ended; else the first that
+    hit a node within :data:`CAUSE` s after it received the task (in its log,
+    ``logs/<node>.log``: a deferral's acknowledgement lost), or a server then."""
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for start in record.starts:
+        runs[start["id"]].append(start)
+    receipts: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for path in sorted(logs.glob("node*.log")) if logs is not None else []:
+        lines = path.read_text("utf-8", "replace").split("\n")
+        for i, stamps in _stamps(lines, _RECEIVED).items():
+            receipts[i] += [(when, path.stem) for when in stamps]
+    dups: Counter[str] = Counter()
+    for i, n in record.done.items():
+        if n < 2 or len(runs[i]) < 2:
+            continue
+        first, second = sorted(runs[i], key=lambda s: s["t"])[:2]
+        ends = [t for t in record.finished[i] if first["t"] <= t < second["t"]]
+        spans = [(first["t"], ends[0] + CAUSE if ends else second["t"], first.get("node", ""))]
+        spans += [(when, when + CAUSE, node) for when, node in receipts[i] if when < second["t"]]
+        causes = (
+            f.kind
+            for begin, until, node in spans
+            for when, f in ordered
+            if when + f.hold >= begin - 1.0
+            and when <= until
+            and (f.target == str(node).split("@")[0] or not f.target.startswith("node"))
+        )
+        dups[next(causes, "none found")] += 1
+    return dups
+
+
+def _gap_causes(ordered: list[tuple[float, Any]], gap_at: dict[str, float]) -> Counter[str]:
+    """The class of the fault each loss in kombu's gap is put down to: the latest that
+    began before it (1 s of slack) and was going on, or ended at most :data:`CAUSE` s
+    before it."""
+    lost: Counter[str] = Counter()
+    for at in gap_at.values():
+        near = [f.kind for when, f in ordered if when - 1.0 <= at <= when + f.hold + CAUSE]
+        lost[near[-1] if near else "none found"] += 1
+    return lost
 
 
 class Fifo:
