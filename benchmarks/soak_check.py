@@ -247,11 +247,12 @@ def _dup_causes(
     ordered: list[tuple[float, Any]], record: Record, logs: Path | None
 ) -> Counter[str]:
     """The class of the fault each duplicate is put down to: the first that hit the node
-    of its first run, or a server, from that run's start (1 s of slack: a fault's
+    of its first run, or its broker, from that run's start (1 s of slack: a fault's
     instant is taken just before it is done) to :data:`CAUSE` s after its end (its
     acknowledgement lost), or to the second run when it never ended; else the first that
     hit a node within :data:`CAUSE` s after it received the task (in its log,
-    ``logs/<node>.log``: a deferral's acknowledgement lost), or a server then."""
+    ``logs/<node>.log``: a deferral's acknowledgement lost), or the broker then (the
+    faults that can lose an acknowledgement: :func:`_loses_acks`)."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for start in record.starts:
         runs[start["id"]].append(start)
@@ -267,17 +268,26 @@ def _dup_causes(
         first, second = sorted(runs[i], key=lambda s: s["t"])[:2]
         ends = [t for t in record.finished[i] if first["t"] <= t < second["t"]]
         spans = [(first["t"], ends[0] + CAUSE if ends else second["t"], first.get("node", ""))]
-        spans += [(when, when + CAUSE, node) for when, node in receipts[i] if when < second["t"]]
+        spans += [(w, w + CAUSE, node) for w, node in sorted(receipts[i]) if w < second["t"]]
         causes = (
             f.kind
             for begin, until, node in spans
             for when, f in ordered
             if when + f.hold >= begin - 1.0
             and when <= until
-            and (f.target == str(node).split("@")[0] or not f.target.startswith("node"))
+            and _loses_acks(f, str(node).split("@")[0])
         )
         dups[next(causes, "none found")] += 1
     return dups
+
+
+def _loses_acks(fault: Any, node: str) -> bool:
+    """Can ``fault`` lose the acknowledgement of a message ``node`` holds? A kill or a
+    stop of that node, or a fault of the broker's server (the limiter's Redis, when the
+    limiter has one, holds no message; a ``SCRIPT FLUSH`` drops no connection)."""
+    if fault.target.startswith("node"):
+        return bool(fault.target == node)
+    return fault.target in ("broker", "rabbitmq") and fault.kind != "script_flush"
 
 
 def _gap_causes(ordered: list[tuple[float, Any]], gap_at: dict[str, float]) -> Counter[str]:
