@@ -7,9 +7,10 @@
 -- KEYS, ARGV and reply: a decision's (lib/call.lua). ARGV[2], the flag:
 --   "reserved"  the token is a reservation a message carries (a deferred task). Not
 --               before its slot (status 3 until then; 6 within `hold`). A token with an
---               entry but no pending slot was started on already (status 5): this is a
---               second delivery of the message, which competes anew. A token with
---               neither (Redis lost it) starts as a late task does.
+--               entry in one of its logs but a pending slot in none was started on
+--               already (status 5): this is a second delivery of the message, which
+--               competes anew. A token with neither (Redis lost it) starts as a late
+--               task does.
 --   "granted"   the token is this process's own grant, read too late to start on (a
 --               busy gevent hub, a descheduled process): started from now as a late
 --               reservation is. Its concurrency slots are already held and its key was

@@ -649,6 +649,29 @@ def test_a_reservation_started_once_gives_a_second_execution_budget_of_its_own(
     assert max_in_window(starts, 300_000) <= 2
 
 
+def test_a_second_delivery_after_its_start_left_the_shorter_window_is_counted_anew(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """Two limits on one key: a start's entry leaves the 1 s log before the 3 s one. A
+    second delivery of the copy then is still a second execution (counted as a new
+    call), not a reservation Redis lost: moving the entry the 3 s log still holds would
+    leave the first execution uncounted there."""
+    short, long = Limit("1/s"), Limit("5/3s")
+    both = [short, long]
+    assert limiter.acquire("twice", both).allowed
+    held = limiter.acquire("twice", both, reserve=True)
+    assert held.reserved and held.token
+    sleep_until(redis_client, us(held.at))
+    first = limiter.confirm(held.token, "twice", both)
+    assert first.allowed
+    sleep_until(redis_client, us(first.at + 1.3))  # gone from the 1 s log, not the 3 s one
+    again = limiter.confirm(held.token, "twice", both)
+    assert again.allowed and again.token != held.token
+    key = limiter.keys_for("twice", both)[1]
+    assert total(redis_client, key) == 3  # three executions, three entries
+    assert max_in_window([t for t, _ in entries(redis_client, key)], 3_000_000) == 3
+
+
 @pytest.mark.parametrize(
     "token",
     ["zz", "ab", "", None, 42, "0123456789abcdeg", "0" * 18, "0123456789abcdef.", "0" * 16 + ".x"],

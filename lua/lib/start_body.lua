@@ -54,11 +54,16 @@ local function start(c, cal, conc)
 
   local slot = nil
   if reserved then
-    local k = ks[1]
-    slot = redis.call('ZSCORE', k.pending, k.member)
+    -- every log is asked: a shorter window's log and pending set forget a token first,
+    -- and a start's entry kept by a longer one must not be taken for a lost reservation
+    local entry = false
+    for _, k in ipairs(ks) do
+      slot = slot or redis.call('ZSCORE', k.pending, k.member)
+      entry = entry or redis.call('ZSCORE', k.key, k.member) ~= false
+    end
     slot = slot and tonumber(slot)
     if slot and slot - now > hold then return answer(3, slot, slot - now, 0) end
-    if not slot and redis.call('ZSCORE', k.key, k.member) then
+    if not slot and entry then
       for _, one in ipairs(ks) do log_flush(one) end
       return reply(5, now, 0, 0, now, ks, cal, cals, c.concs)
     end
