@@ -206,34 +206,6 @@ def test_a_new_call_does_not_take_the_slot_of_a_waiter_whose_turn_has_come(
     assert limiter.confirm(waiter.token, "k", one).allowed
 
 
-def test_a_waiter_late_for_its_turn_holds_no_free_slot_idle_yet_keeps_its_place(
-    limiter: Limiter,
-) -> None:
-    """A copy comes back late by the broker's delay: the slot its turn kept goes to a
-    call that is there once the turn is more than a moment past (lua/lib/concurrency.lua
-    LATE, 250 ms); the late waiter keeps its place in line (its turn is given up only
-    after GRACE, 2 s). A call with a rate limit too is never handed a turn."""
-    both: list[Any] = [Limit("1000/s"), Concurrency(1)]
-    running = limiter.acquire("k", both)
-    waiter = limiter.acquire("k", both, reserve=True)
-    assert running.token and waiter.reserved and waiter.token
-    limiter.release(running.token, "k", both)
-    while server_us(limiter.client) < (waiter.at + 0.05) * 1e6:
-        time.sleep(0.01)
-    assert not limiter.acquire("k", both).allowed  # the waiter's turn has just come
-    while server_us(limiter.client) < (waiter.at + 0.5) * 1e6:
-        time.sleep(0.01)
-    other = limiter.acquire("k", both)
-    assert other.allowed  # the waiter is late: the slot does not idle for it
-    back = limiter.confirm(waiter.token, "k", both)
-    assert back.reserved and back.token == waiter.token and back.retry_after > 0
-    assert other.token
-    limiter.release(other.token, "k", both)
-    while server_us(limiter.client) < back.at * 1e6:
-        time.sleep(0.01)
-    assert limiter.confirm(waiter.token, "k", both).allowed
-
-
 def test_a_waiter_that_never_comes_gives_its_turn_up(limiter: Limiter) -> None:
     """... also once handed it: the handed slot's lease is its turn plus the grace."""
     one = [Concurrency(1)]

@@ -13,11 +13,6 @@ do
 -- taken so far, at least this (µs). Too short costs a waiter one more check; too long
 -- would leave slots idle.
 local FIRST_GUESS = 100000
--- A waiter whose turn came more than this long ago (µs) and is not back yet keeps its
--- place in line (until GRACE) but no longer holds a free slot for itself: a copy comes
--- back late by the broker's delay, and a slot kept idle for every late waiter ahead
--- would leave the line draining at a fraction of its limit.
-local LATE = 250000
 
 -- The expected turn of the waiter `rank` places back in line under cc.
 local function conc_turn(cc, starts, rank, now)
@@ -59,11 +54,9 @@ local function conc_gate(cc, token, now, waiter, write)
   local ahead, rank
   if mine then
     rank = redis.call('ZCOUNT', cc.w, now - GRACE, '(' .. mine)
-    ahead = tonumber(mine) <= now
-      and redis.call('ZCOUNT', cc.w, now - LATE, '(' .. mine)
-      or redis.call('ZCOUNT', cc.w, now - LATE, now)
+    ahead = tonumber(mine) <= now and rank or redis.call('ZCOUNT', cc.w, now - GRACE, now)
   else
-    ahead = redis.call('ZCOUNT', cc.w, now - LATE, now)
+    ahead = redis.call('ZCOUNT', cc.w, now - GRACE, now)
     rank = redis.call('ZCOUNT', cc.w, now - GRACE, '+inf')
   end
   cc.free = cc.most - held - ahead
