@@ -90,6 +90,7 @@ class Soak:
         self.record = Record(self.workdir / "runs.jsonl")
         self.sent: dict[str, float] = {}  # task id -> when it was sent (epoch seconds)
         self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.parked_for = 0.0  # seconds until the last parked copy is due (idle())
         self.happened: list[tuple[float, Fault]] = []  # (epoch seconds, the fault) once done
         self.prefix = f"soak{args.seed}"
         self.boxes: dict[str, RedisBox] = {}
@@ -153,8 +154,13 @@ class Soak:
         else:
             with self.boxes["broker"].client() as client:
                 waiting += broker_leftovers(client)
-                parked = sum(client.zcard(k) for k in client.scan_iter(match="*{park:*}:due"))
-                waiting.append(f"{parked} parked")
+                dues = list(client.scan_iter(match="*{park:*}:due"))
+                waiting.append(f"{sum(client.zcard(k) for k in dues)} parked")
+                # seconds until the last parked copy is due (the park's scores: Redis µs)
+                tops = [client.zrange(k, -1, -1, withscores=True) for k in dues]
+                last = max((float(top[0][1]) for top in tops if top), default=0.0)
+                seconds, micros = client.time()
+                self.parked_for = last / 1e6 - seconds - micros / 1e6 if last else 0.0
         return [w for w in waiting if not w.startswith("0 ")]
 
     def run(self) -> int:
@@ -255,7 +261,9 @@ class Soak:
         while (waiting := self.idle()) and time.monotonic() < deadline:
             if waiting != same:
                 same, since = waiting, time.monotonic()
-            elif time.monotonic() - since > STALL:
+            elif time.monotonic() - since > STALL and self.parked_for <= 0:
+                # (a parked copy due later is no stall: with the park on, a deferral
+                # waits up to the horizon, 600 s)
                 say(self.t0, f"no change for {STALL:.0f}s: the drain is over")
                 break
             if time.monotonic() - last > 15:
