@@ -1,8 +1,9 @@
 -- acquire.lua — the plain decision: count a call now against every limit of its key,
 -- all or nothing, or reserve it; for a call whose limits are all unpaced sliding logs,
 -- counted at cost 1, with no lead. Everything else (pace, lead, weights, an upstream's
--- observed budget, a slot abandoned in a full window) is acquire_full.lua's, which
--- decides the same calls with the same data (lib/log.lua).
+-- observed budget, a slot abandoned in a full window, a full window with reservations
+-- ahead) is acquire_full.lua's, which decides the same calls with the same data
+-- (lib/log.lua).
 --
 -- KEYS  the log of each limit (n), its pending set (n), its key's settings hash (n)
 -- ARGV  1 token (8 bytes), 2 flag, 3 n, 4-5 "0" "0", 6 horizon µs, 7 guard µs,
@@ -96,6 +97,12 @@ for i = 1, n do
     -- full: a slot abandoned in its window may give room (acquire_full.lua's to weigh)
     local pending = KEYS[n + i]
     if call('ZCOUNT', pending, string.format('(%.0f', now - exact), floor(now - exact / 4)) > 0 then
+      status = 8
+      break
+    end
+    -- reservations ahead: the first room that fits may be a hole in their line
+    -- (acquire_full.lua's to find)
+    if newest > now then
       status = 8
       break
     end

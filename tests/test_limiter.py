@@ -672,6 +672,63 @@ def test_a_second_delivery_after_its_start_left_the_shorter_window_is_counted_an
     assert max_in_window([t for t, _ in entries(redis_client, key)], 3_000_000) == 3
 
 
+def _line(limiter: Limiter, name: str, rate: Limit, n: int) -> list[Decision]:
+    """Spend ``rate``'s budget on ``name``, then reserve ``n`` slots behind it."""
+    for _ in range(rate.rate.limit):
+        assert limiter.acquire(name, rate).allowed
+    line = [limiter.acquire(name, rate, reserve=True) for _ in range(n)]
+    assert all(d.reserved and d.token for d in line)
+    return line
+
+
+def test_a_released_slot_in_a_line_of_reservations_is_taken_by_the_next_call(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """A line of reservations with a hole in it (two slots released): the next calls
+    take the hole, the plain script's and the full script's callers alike, and a denial
+    says when the hole comes; no window of the line then holds more than the limit."""
+    rate = Limit("2/s")
+    line = _line(limiter, "holed", rate, 10)  # slots 1 s, 1 s, 2 s, 2 s ... 5 s ahead
+    hole = line[4:6]  # 3 s ahead
+    for d in hole:
+        limiter.release(d.token, "holed", rate)  # type: ignore[arg-type]
+    denied = limiter.acquire("holed", rate)
+    assert not denied.allowed and not denied.reserved
+    assert us(denied.at) + us(denied.retry_after) == us(hole[0].at)
+    plain = limiter.acquire("holed", rate, reserve=True)
+    assert us(plain.at) == us(hole[0].at)
+    # a lead sends the call to acquire_full.lua: it places a reservation as plainly
+    full = limiter.acquire("holed", rate, reserve=True, lead=0.001)
+    assert us(full.at) == us(hole[1].at)
+    after = limiter.acquire("holed", rate, reserve=True)
+    assert us(after.at) == us(line[-2].at) + 1_000_000  # the hole is full: the line's end
+    key = log_key(limiter, "holed", rate)
+    assert max_in_window([t for t, _ in entries(redis_client, key)], 1_000_000) == 2
+
+
+def test_a_late_copy_placed_anew_takes_the_earliest_hole_not_the_end_of_the_line(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """2 per 2 s. The first slot's copy comes late and starts then; the next slot's
+    copy finds no room near its slot counting what started, and is placed anew: in the
+    hole two released slots left, not after the last reservation."""
+    rate = Limit("2/2s")
+    line = _line(limiter, "late", rate, 10)  # slots 2, 2, 4, 4, ... 10 s ahead
+    first, second = line[0], line[2]  # due 2 s and 4 s ahead
+    hole = line[6].at  # due 8 s ahead
+    for d in line[6:8]:
+        limiter.release(d.token, "late", rate)  # type: ignore[arg-type]
+    sleep_until(redis_client, us(first.at + 0.6))  # late by more than a quarter window
+    late = limiter.confirm(first.token, "late", rate)  # type: ignore[arg-type]
+    assert late.allowed  # its slot's partner never came: room among what started
+    sleep_until(redis_client, us(second.at))
+    moved = limiter.confirm(second.token, "late", rate)  # type: ignore[arg-type]
+    assert moved.reserved and moved.token == second.token
+    key = log_key(limiter, "late", rate)
+    assert max_in_window([t for t, _ in entries(redis_client, key)], 2_000_000) <= 2
+    assert us(moved.at) == us(hole), (moved.at - second.at, hole - second.at)
+
+
 @pytest.mark.parametrize(
     "token",
     ["zz", "ab", "", None, 42, "0123456789abcdeg", "0" * 18, "0123456789abcdef.", "0" * 16 + ".x"],

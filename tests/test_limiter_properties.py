@@ -26,13 +26,31 @@ RATE = Limit(f"{LIMIT}/120ms")
 _examples = itertools.count()
 
 
-def earliest_fit(log: list[tuple[int, int]], now: int, cost: int) -> int:
-    """The model: the earliest s >= now at which g(s) + cost <= LIMIT, where g(s) is the
-    weight of all entries later than s - W (reservations included)."""
-    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
-        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
+Log = list[tuple[int, int]]  # (instant µs, weight) of each entry
+
+
+def fits(log: Log, s: int, cost: int, window: int = WINDOW_US, limit: int = LIMIT) -> bool:
+    """Whether ``cost`` at s fits every window (u - W, u] holding s, counting every
+    entry of ``log`` (reservations included): the windows to check end at s or at an
+    entry less than a window after it."""
+    ends = [s] + [t for t, _ in log if s < t < s + window]
+    return all(sum(w for t, w in log if u - window < t <= u) + cost <= limit for u in ends)
+
+
+def first_fit(logs: list[tuple[Log, int, int]], now: int, cost: int) -> int:
+    """The model of a placement: the earliest s >= now at which ``cost`` fits each of
+    ``logs`` ((entries, window, limit) of each limit). Such an s is now or an instant
+    some entry leaves a window (its instant + W)."""
+    candidates = {now} | {t + w for log, w, _ in logs for t, _ in log if t + w > now}
+    for s in sorted(candidates):
+        if all(fits(log, s, cost, w, limit) for log, w, limit in logs):
             return s
     raise AssertionError("the model found no instant")  # pragma: no cover
+
+
+def earliest_fit(log: Log, now: int, cost: int) -> int:
+    """:func:`first_fit` for the one limit ``RATE``."""
+    return first_fit([(log, WINDOW_US, LIMIT)], now, cost)
 
 
 def uses_abandoned_room(
@@ -114,6 +132,48 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     assert sorted(stored) == sorted(live)
     assert total(redis_client, key) == sum(w for _, w in stored)
     redis_client.delete(key)
+
+
+TWO = (Limit("2/1s"), Limit("3/3s"))
+line_op = st.tuples(
+    st.booleans(),  # True: a new call; False: release one of the held calls
+    st.integers(1, 2),  # cost of a new call
+    st.integers(0, 1_000),  # which held call to release
+)
+
+
+@against_redis
+@given(ops=st.lists(line_op, min_size=1, max_size=24))
+def test_a_line_with_holes_is_placed_in_as_the_model_places_it(
+    limiter: Limiter, redis_client: redis.Redis, ops: list[tuple[bool, int, int]]
+) -> None:
+    """Two limits on one key, calls reserved and released in any order (a line of
+    reservations with holes in it): each call is placed at the earliest instant it fits
+    both, counting every entry (the model's first fit), read from what Redis holds just
+    before the call; no window of either log ever holds more than its limit."""
+    name = f"line-{next(_examples)}"
+    keys = limiter.keys_for(name, TWO)
+    shape = [(limit.rate.window_us, limit.rate.limit) for limit in TWO]
+    held: list[tuple[str, int]] = []
+    for new, cost, pick in ops:
+        if not new and held:
+            token, weight = held.pop(pick % len(held))
+            limiter.release(token, name, TWO, [weight, weight])
+            continue
+        logs = [
+            (entries(redis_client, key), w, limit)
+            for key, (w, limit) in zip(keys, shape, strict=True)
+        ]
+        d = limiter.acquire(name, TWO, [cost, cost], reserve=True)
+        assert d.allowed or d.reserved, d
+        at = us(d.at)
+        now = at - us(d.retry_after)
+        assert first_fit(logs, now, cost) == at, (logs, now, cost)
+        held.append((d.token, cost))  # type: ignore[arg-type]
+    for key, (w, limit) in zip(keys, shape, strict=True):
+        log = entries(redis_client, key)
+        assert max_weight_in_window(log, w) <= limit
+    redis_client.delete(*keys, *(k + PENDING for k in keys))
 
 
 step = st.tuples(
@@ -216,12 +276,13 @@ def model_start(
     ``t0`` or overdue by more than a quarter window. A start that does not fit within
     ``HOLD`` of ``now`` and a quarter of it past ``t0`` is placed instead as a new
     reservation is: the earliest instant from ``now`` at which it fits counting every
-    entry, reservations included."""
+    entry, reservations included (:func:`earliest_fit`)."""
     lo, abandoned = t0 - WINDOW_US, now - WINDOW_US // 4
     skip = {own} | {m for m, s in slots.items() if s > lo and (s <= abandoned or s > t0)}
     start = fit_among(log, skip, lo, cost, t0)
     if start - now > HOLD * 1_000_000 or start - t0 > HOLD * 1_000_000 / 4:
-        start = fit_among(log, {own}, now - WINDOW_US, cost, now)
+        others = [(s, w) for m, (s, w) in log.items() if m != own and s > now - WINDOW_US]
+        start = earliest_fit(others, now, cost)
     return start
 
 

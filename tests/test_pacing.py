@@ -17,22 +17,12 @@ from hypothesis import strategies as st
 from celery_ratelimit import InvalidLimit, Limit, Limiter, ratelimit
 from celery_ratelimit._engine.layout import PACE_FIELD, PACE_MEMBER, parse_key
 from celery_ratelimit._tools.ops import key_status, pace_in
-from tests.log_reader import weight_after
 from tests.measure import max_weight_in_window, server_us, us
-from tests.test_limiter_properties import against_redis, uses_abandoned_room
+from tests.test_limiter_properties import against_redis, earliest_fit, uses_abandoned_room
 
 LIMIT, WINDOW_US = 6, 120_000
 INTERVAL = WINDOW_US // LIMIT  # 20 ms: the emission interval, ceil(W / L)
 _examples = itertools.count()
-
-
-def earliest_window_fit(log: list[tuple[int, int]], now: int, cost: int) -> int:
-    """The window's model: the earliest s >= now at which the weight of the entries
-    later than s - W, plus cost, is at most the limit."""
-    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
-        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
-            return s
-    raise AssertionError("the model found no instant")  # pragma: no cover
 
 
 def pace_fit(tat: int, now: int, cost: int, burst: int) -> int:
@@ -54,7 +44,7 @@ def test_a_paced_log_decides_like_the_window_and_gcra_model(
     limiter: Limiter, redis_client: redis.Redis, burst: int, ops: list[tuple[int, int, bool]]
 ) -> None:
     """Weighted calls, some reserving: every grant, reservation and retry_after is the
-    later of the window's and the pace's earliest instant, exactly."""
+    window's first fit from the instant the call conforms to the pace, exactly."""
     name = f"paced-{next(_examples)}"
     rate = Limit(f"{LIMIT}/120ms", burst=burst)
     log: list[tuple[int, int]] = []
@@ -67,14 +57,15 @@ def test_a_paced_log_decides_like_the_window_and_gcra_model(
         if d.allowed:
             at = now = us(d.at)
             assert pace_fit(tat, now, cost, burst) == now
-            if earliest_window_fit(log, now, cost) != now:
+            if earliest_fit(log, now, cost) != now:
                 # the room of a slot whose task never came: it fits among what started
                 assert uses_abandoned_room(grants, slots, now, cost), (log, now, cost)
             grants.append((at, cost))
         else:
             at = us(d.at)
             now = at - us(d.retry_after) if d.reserved else at
-            expected = max(earliest_window_fit(log, now, cost), pace_fit(tat, now, cost, burst))
+            # the window's first fit from the instant the call conforms to the pace
+            expected = earliest_fit(log, pace_fit(tat, now, cost, burst), cost)
             if d.reserved:
                 assert at == expected > now
                 slots.append((at, cost))

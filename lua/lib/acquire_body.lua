@@ -12,6 +12,10 @@
 -- A grant is counted c.lead after now (lib/call.lua's ARGV[9]): where its body's first
 -- request is expected to reach its server (celery_ratelimit/_green.py, lead).
 --
+-- A call that does not fit now is placed at the earliest instant it fits every limit,
+-- counting every entry (lib/log_search.lua, logs_place): a hole in a line of
+-- reservations is taken before the end of the line.
+--
 -- A paced limit (lib/pace.lua) holds the call back until it conforms to its pace too; a
 -- reservation takes its pace at its slot, so a backlog's slots come one interval apart.
 
@@ -52,17 +56,10 @@ local function acquire(c, cal, conc, place)
   end
 
   local at, denied_by = now, 0
-  for i, k in ipairs(ks) do
-    local excess = k.total + k.cost - k.limit
-    if excess > 0 then
-      local s = log_free_at(k, excess, now)
-      if s > at then at, denied_by = s, i end
-    end
-    local s = pace_at(k.pace, k.cost, now)
-    if s > at then at, denied_by = s, i end
-  end
   if gate > at then at, denied_by = gate, gate_by end
-  if cal then at, denied_by = cal.gate(c, cals, at, denied_by) end
+  local push = nil
+  if cal then push = function(s, by) return cal.gate(c, cals, s, by) end end
+  at, denied_by = logs_place(ks, at, denied_by, now, push)
 
   if c.flag == 'peek' then
     if denied_by == 0 then return answer(1, now, 0, 0) end

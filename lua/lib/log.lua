@@ -18,9 +18,8 @@
 -- included), "+" minus the newest instant, "=" the uniform weight, "~" minus expiry.
 --
 -- Invariant: in every window (t - W, t] the weight of the entries that count is at most
--- the limit. A call is placed at s if g(s) + cost <= limit, g(s) being the weight of
--- every entry later than s - W; g never grows with s, so the earliest such s is where
--- enough weight has left (log_free_at): retry_after is exact.
+-- the limit. A call is placed at the earliest s at which its cost fits every window
+-- holding s, counting every entry (lib/log_search.lua, log_fit_at): retry_after is exact.
 
 --- @include "lib/pace.lua" if pace else "lib/no_pace.lua"
 

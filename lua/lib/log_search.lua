@@ -37,6 +37,82 @@ local function log_free_at(k, excess, now)
   end
 end
 
+-- A first fit (log_fit_at) walks at most this many entries, then settles for the end
+-- of the line (log_free_at's answer): a hole further ahead is taken once it is nearer.
+local FIT_WALK = 256
+
+-- The earliest instant from `from` (not before now) at which k's cost fits every window
+-- containing it, counting every entry: a reservation's place, a denial's retry_after.
+-- A line of reservations with holes in it (a released slot, a start placed elsewhere)
+-- has its earliest hole taken, not a place after its last entry. Every entry is a
+-- weight on [e, e + W) (the windows (t - W, t] it is in); the instant s fits when no t
+-- in [s, s + W) carries more than the limit less the cost; so the walk goes through
+-- those weights in time order, and past every stretch that carries too much. With no
+-- entry later than `from`, the heaviest window holding s is the one ending at s, and
+-- log_free_at's answer is the first fit.
+local function log_fit_at(k, from, now)
+  local excess = k.total + k.cost - k.limit
+  if excess <= 0 then return from end
+  local last = log_free_at(k, excess, now)  -- every instant from it fits
+  if last <= from or k.newest <= from then return math.max(last, from) end
+  local w, cap = k.window, k.limit - k.cost
+  local rows = redis.call('ZRANGEBYSCORE', k.key, '(' .. us(from - w), '+inf', 'WITHSCORES',
+    'LIMIT', 0, FIT_WALK)
+  local n = #rows / 2
+  local t, wt = {}, {}
+  for j = 1, n do
+    t[j] = tonumber(rows[2 * j])
+    wt[j] = k.unit > 0 and k.unit or weight_of(rows[2 * j - 1])
+  end
+  -- past the last entry read, a full walk's weights are unknown
+  local cut = n == FIT_WALK and t[n] or math.huge
+  local s, at, f, i, j = from, from, 0, 1, 1
+  while i <= n and t[i] <= at do f, i = f + wt[i], i + 1 end
+  while true do
+    -- the stretch [at, nxt) carries f
+    local nxt = i <= n and t[i] or math.huge
+    if j < i and t[j] + w < nxt then nxt = t[j] + w end
+    if at >= s + w then return s end
+    if at >= cut or s >= last then return last end
+    if f > cap then s = nxt end
+    at = nxt
+    while i <= n and t[i] == at do f, i = f + wt[i], i + 1 end
+    while j < i and t[j] + w == at do f, j = f - wt[j], j + 1 end
+  end
+end
+
+-- The earliest instant from `at` (set by limit `by`, lib/call.lua's denied_by) at which
+-- the call fits every log of `ks` counting every entry (log_fit_at), the pace of each,
+-- and `push` (nil, or a function of (at, by) giving the instant some other limit moves
+-- it to: aligned limits, a paced start's window); and the limit that moved it last.
+-- Each is asked in turn until none moves it. Should they keep moving it (holes in one
+-- log that the entries of another fill), the instant from which every log fits counting
+-- all its later entries is taken: there they all fit.
+local function logs_place(ks, at, by, now, push)
+  local n = #ks + (push and 1 or 0)
+  local fits, asked, i = 0, 0, 0
+  while fits < n and asked < 4 * n do
+    i, asked = i % n + 1, asked + 1
+    local s, b
+    if i > #ks then
+      s, b = push(at, by)
+    else
+      local k = ks[i]
+      s, b = log_fit_at(k, pace_at(k.pace, k.cost, at), now), i
+    end
+    if s > at then at, by, fits = s, b, 1 else fits = fits + 1 end
+  end
+  if fits < n then
+    for j, k in ipairs(ks) do
+      local excess = k.total + k.cost - k.limit
+      local s = pace_at(k.pace, k.cost, excess > 0 and log_free_at(k, excess, now) or now)
+      if s > at then at, by = s, j end
+    end
+    if push then at, by = push(at, by) end
+  end
+  return at, by
+end
+
 -- The earliest instant from t0 at which k's cost fits every window around it,
 -- counting what really started: entries later than t0 - exact, less the pending slots
 -- that have not started (due after t0) or were abandoned (overdue by more than a

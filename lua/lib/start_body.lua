@@ -8,10 +8,11 @@
 -- moves there: now (status 1) or within `hold` (status 6), when that is at most `hold`
 -- / 4 past t0. A late task thus never bunches with the next ones, and an overdue one
 -- starts ahead of the slots still to come when their room is free. Otherwise (status 3)
--- it is placed as a new reservation would be, counting every entry: taking the next
--- room that started tasks leave would push the task due there, and that one the next,
--- a chain of deferrals through the whole backlog; waiting longer in-process would make
--- every task after a late one wait as long. A task on time but held back only by its
+-- it is placed as a new reservation would be, at the earliest instant it fits counting
+-- every entry (a hole in the line first): taking the next room that started tasks
+-- leave would push the task due there, and that one the next, a chain of deferrals
+-- through the whole backlog; waiting longer in-process would make every task after a
+-- late one wait as long. A task on time but held back only by its
 -- turn in a concurrency line keeps its slot and comes back at that turn.
 -- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
 -- checked, by the same rule, in a window of one interval holding at most the burst
@@ -93,23 +94,28 @@ local function start(c, cal, conc)
     return reply(3, at, at - now, by, now, ks, cal, cals, c.concs)
   end
   if gate > now or start - now > hold or start - t0 > hold / 4 then
-    -- no room soon counting what started: placed as a new reservation, not before the gate
-    start = gate
+    -- no room soon counting what started: placed as a new reservation is, at the
+    -- earliest instant it fits counting every entry, not before the gate
+    local paced = false
     for _, k in ipairs(ks) do
       local own = redis.call('ZSCORE', k.key, k.member)
       if own then log_remove(k, tonumber(own), now) end
-      local excess = k.total + k.cost - k.limit
-      if excess > 0 then
-        local s = log_free_at(k, excess, now)
-        if s > start then start = s end
+      paced = paced or k.pace ~= nil
+    end
+    local push = nil
+    if paced or cal then
+      push = function(s, by)
+        for _, k in ipairs(ks) do
+          if k.pace then s = math.max(s, log_start_in(pace_window(k), s, now, hold)) end
+        end
+        if cal then s = cal.gate(c, cals, s, 0) end
+        return s, by
       end
-      start = math.max(start, pace_at(k.pace, k.cost, now))
     end
-    for _, k in ipairs(ks) do
-      if k.pace then start = math.max(start, log_start_in(pace_window(k), start, now, hold)) end
-    end
+    start = logs_place(ks, gate, 0, now, push)
+  elseif cal then
+    start = cal.gate(c, cals, start, 0)
   end
-  if cal then start = cal.gate(c, cals, start, 0) end
 
   local wait = start - now
   local later = wait > hold or not firm
