@@ -48,9 +48,23 @@ def first_fit(logs: list[tuple[Log, int, int]], now: int, cost: int) -> int:
     raise AssertionError("the model found no instant")  # pragma: no cover
 
 
+#: The entries the script's first fit walks at most (lib/log_search.lua's FIT_WALK).
+FIT_WALK = 32
+
+
 def earliest_fit(log: Log, now: int, cost: int) -> int:
-    """:func:`first_fit` for the one limit ``RATE``."""
-    return first_fit([(log, WINDOW_US, LIMIT)], now, cost)
+    """:func:`first_fit` for the one limit ``RATE``, as far as the script walks: when
+    the first fit lies less than a window before the FIT_WALK-th entry ahead, else the
+    end of the line (the earliest s at which the entries later than s - W, every one of
+    them, leave room for ``cost``)."""
+    found = first_fit([(log, WINDOW_US, LIMIT)], now, cost)
+    ahead = sorted(t for t, _ in log if t > now - WINDOW_US)
+    if len(ahead) < FIT_WALK or found + WINDOW_US <= ahead[FIT_WALK - 1]:
+        return found
+    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
+        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
+            return s
+    raise AssertionError("the model found no instant")  # pragma: no cover
 
 
 def uses_abandoned_room(

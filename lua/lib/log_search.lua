@@ -39,7 +39,7 @@ end
 
 -- A first fit (log_fit_at) walks at most this many entries, then settles for the end
 -- of the line (log_free_at's answer): a hole further ahead is taken once it is nearer.
-local FIT_WALK = 256
+local FIT_WALK = 32
 
 -- The earliest instant from `from` (not before now) at which k's cost fits every window
 -- containing it, counting every entry: a reservation's place, a denial's retry_after.
