@@ -706,6 +706,24 @@ def test_a_released_slot_in_a_line_of_reservations_is_taken_by_the_next_call(
     assert max_in_window([t for t, _ in entries(redis_client, key)], 1_000_000) == 2
 
 
+def test_a_line_of_reservations_far_ahead_leaves_the_present_free(
+    limiter: Limiter, redis_client: redis.Redis
+) -> None:
+    """Reservations only far ahead (those before them released): a call now is granted
+    now, and one that does not fit now is placed before the line, not after it."""
+    rate = Limit("2/s")
+    line = _line(limiter, "ahead", rate, 10)  # slots 1 s to 5 s ahead
+    for d in line[:8]:
+        limiter.release(d.token, "ahead", rate)  # type: ignore[arg-type]
+    sleep_until(redis_client, us(line[0].at) + 50_000)  # the grants have left the window
+    assert limiter.acquire("ahead", rate).allowed
+    assert limiter.acquire("ahead", rate).allowed
+    third = limiter.acquire("ahead", rate, reserve=True)
+    assert third.reserved and third.at < line[-2].at - 2.0  # a second on, not after 5 s
+    key = log_key(limiter, "ahead", rate)
+    assert max_in_window([t for t, _ in entries(redis_client, key)], 1_000_000) == 2
+
+
 def test_a_late_copy_placed_anew_takes_the_earliest_hole_not_the_end_of_the_line(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
