@@ -426,7 +426,9 @@ def test_set_and_unset_change_what_every_decision_grants(
     assert row(out, "yt:search:key1")[1:6] == ["25s", "log", "25/30", "4", "1"]
     assert "overridden: 30/25s" in out
     assert 0 < seconds_after(out, "override yt:search:key1: 30/25s (ends") <= 600
-    assert [limiter.acquire("yt:search:key1", search).allowed for _ in range(5)] == [True] * 4 + [
+    # 25 grants and a slot reserved where the first grant leaves: 5 more fit every window
+    # now (the status's 4 left counts the reservation as if it were in the window now)
+    assert [limiter.acquire("yt:search:key1", search).allowed for _ in range(6)] == [True] * 5 + [
         False
     ]
     out = cli("unset", "yt:search:key1", "--url", server.url, "--prefix", "example", env=env)
