@@ -8,6 +8,9 @@
 (b) server-side: ``cmdstat_evalsha`` microseconds per call (INFO commandstats after
     CONFIG RESETSTAT) at cost 1 and cost 1000, and with 2 and 4 stacked limits, in
     steady state (entries expire as fast as they arrive).
+(b3) a backlog: ``cmdstat_evalsha`` microseconds per reserving call behind a line of
+    reservations (2/s, 300 ahead: the first fit walks the line's first entries), beside
+    a plain call's in the same run.
 (c) memory: MEMORY USAGE per entry of a full log key at limits 100, 1000, 10000, and
     the bytes of a counter key.
 
@@ -381,6 +384,35 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
     return out
 
 
+def backlog(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
+    """(b3): Redis-side cost of a reserving call behind a line of reservations, and of a
+    plain call that never binds, interleaved."""
+    client = server.client()
+    limiter = Limiter(client, prefix="bench-b3")
+    line, free = Limit("2/s"), Limit("1000000000/200ms")
+    for _ in range(300):
+        limiter.acquire("line", line, reserve=True, horizon=86_400)
+    samples: dict[str, list[float]] = {"reserve behind 300": [], "plain, never binds": []}
+    for _ in range(rounds):
+        for name in samples:
+            client.config_resetstat()
+            for _ in range(calls):
+                if name == "plain, never binds":
+                    limiter.acquire("free", free)
+                else:
+                    limiter.acquire("line", line, reserve=True, horizon=86_400)
+            usec, count = _evalsha_usec(client)
+            samples[name].append(usec * count / calls)  # a call that took two scripts
+    out: dict[str, Any] = {
+        k: {"usec_per_call": round(statistics.median(v), 2)} for k, v in samples.items()
+    }
+    out["reserve / plain"] = round(
+        out["reserve behind 300"]["usec_per_call"] / out["plain, never binds"]["usec_per_call"], 3
+    )
+    client.close()
+    return out
+
+
 def memory(server: RedisServer) -> dict[str, Any]:
     """(c): bytes per entry of a full log key, and of a counter key."""
     client = server.client()
@@ -487,9 +519,12 @@ def throughput(server: RedisServer, seconds: float = 2.0) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else ROUNDS
     server = RedisServer()
-    if argv[1:] == ["plain"]:  # (b2) alone
+    if argv[1:] in (["plain"], ["backlog"]):  # (b2) or (b3) alone
         try:
-            plain = plain_beside_bare(server, rounds, CALLS)
+            if argv[1:] == ["plain"]:
+                plain = plain_beside_bare(server, rounds, CALLS)
+            else:
+                plain = backlog(server, rounds, CALLS // 4)
         finally:
             server.close()
         for name, row in plain.items():
@@ -505,6 +540,7 @@ def main(argv: list[str]) -> int:
             "a_client_side": client_side(server, rounds, CALLS),
             "b_server_side": server_side(server, rounds, CALLS),
             "b2_plain_beside_bare": plain_beside_bare(server, rounds, CALLS),
+            "b3_backlog": backlog(server, rounds, CALLS // 4),
             "c_memory": memory(server),
             "d_throughput": throughput(server),
         }
@@ -524,6 +560,11 @@ def main(argv: list[str]) -> int:
     _table(
         "(b2) a plain decision beside the bare script of its commands   usec/call",
         results["b2_plain_beside_bare"],
+        lambda name, row: f"{name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+    )
+    _table(
+        "(b3) a reserving call behind a line of reservations   usec/call",
+        results["b3_backlog"],
         lambda name, row: f"{name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
     )
     _table(

@@ -1,9 +1,9 @@
 -- acquire.lua — the plain decision: count a call now against every limit of its key,
 -- all or nothing, or reserve it; for a call whose limits are all unpaced sliding logs,
 -- counted at cost 1, with no lead. Everything else (pace, lead, weights, an upstream's
--- observed budget, a slot abandoned in a full window, a full window with reservations
--- ahead) is acquire_full.lua's, which decides the same calls with the same data
--- (lib/log.lua).
+-- observed budget, a slot abandoned in a full window, reservations ahead of a paused
+-- key or of one of several limits) is acquire_full.lua's, which decides the same calls
+-- with the same data (lib/log.lua).
 --
 -- KEYS  the log of each limit (n), its pending set (n), its key's settings hash (n)
 -- ARGV  1 token (8 bytes), 2 flag, 3 n, 4-5 "0" "0", 6 horizon µs, 7 guard µs,
@@ -20,6 +20,8 @@
 -- closures, the settings hash read once for consecutive limits of one key. The cost in
 -- ARGV is always 1 here (scripts.Shape.plain), so it is not read; a lead or a burst
 -- sends the call to acquire_full.lua.
+
+--- @include "lib/fit.lua"
 
 local ENTRY_FLOOR = 1e13
 local PRUNE_BATCH = 500
@@ -100,17 +102,19 @@ for i = 1, n do
       status = 8
       break
     end
-    -- reservations ahead: the first room that fits may be a hole in their line
-    -- (acquire_full.lua's to find)
-    if newest > now then
+    -- reservations ahead of a paused key, or of one of several limits: acquire_full.lua
+    -- places the call where it fits all of them (lib/log_search.lua, logs_place)
+    if newest > now and (n > 1 or gate > now) then
       status = 8
       break
     end
     -- the earliest instant one entry has left: the (total + 1 - limit)-th entry's,
-    -- found by rank (meta members rank first)
+    -- found by rank (meta members rank first); every instant from it fits. With
+    -- reservations ahead, a hole in their line may come first (lib/fit.lua)
     local nth = call('ZCOUNT', key, '-inf', string.format('%.0f', now - window)) + total - limit
     local row = call('ZRANGE', key, nth, nth, 'WITHSCORES')
     local free = row[2] and tonumber(row[2]) + window or now + window
+    if newest > now and free > now then free = fit_at(key, now, window, limit - 1, 1, nil, free) end
     if free > at then at, denied_by = free, i end
   end
 end

@@ -10,7 +10,8 @@
 --               entry in one of its logs but a pending slot in none was started on
 --               already (status 5): this is a second delivery of the message, which
 --               competes anew. A token with neither (Redis lost it) starts as a late
---               task does.
+--               task does. A late task placed anew past the horizon is denied (status
+--               0): it holds no slot and competes again.
 --   "granted"   the token is this process's own grant, read too late to start on (a
 --               busy gevent hub, a descheduled process): started from now as a late
 --               reservation is. Its concurrency slots are already held and its key was

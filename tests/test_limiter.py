@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from celery_ratelimit import Decision, InvalidLimit, Limit, Limiter, LimiterUnavailable
+from celery_ratelimit._engine.layout import PENDING
 from tests.calls import ACQUIRE, CONFIRM, RESTAMP, decide
 from tests.log_reader import entries, sleep_until, total
 from tests.measure import max_in_window, max_weight_in_window, server_us, us
@@ -684,12 +685,13 @@ def _line(limiter: Limiter, name: str, rate: Limit, n: int) -> list[Decision]:
 def test_a_released_slot_in_a_line_of_reservations_is_taken_by_the_next_call(
     limiter: Limiter, redis_client: redis.Redis
 ) -> None:
-    """A line of reservations with a hole in it (two slots released): the next calls
-    take the hole, the plain script's and the full script's callers alike, and a denial
-    says when the hole comes; no window of the line then holds more than the limit."""
+    """A line of reservations with a hole at its front (two slots released): the next
+    calls take the hole, the plain script's and the full script's callers alike, and a
+    denial says when the hole comes; no window of the line then holds more than the
+    limit."""
     rate = Limit("2/s")
     line = _line(limiter, "holed", rate, 10)  # slots 1 s, 1 s, 2 s, 2 s ... 5 s ahead
-    hole = line[4:6]  # 3 s ahead
+    hole = line[:2]  # 1 s ahead
     for d in hole:
         limiter.release(d.token, "holed", rate)  # type: ignore[arg-type]
     denied = limiter.acquire("holed", rate)
@@ -724,27 +726,38 @@ def test_a_line_of_reservations_far_ahead_leaves_the_present_free(
     assert max_in_window([t for t, _ in entries(redis_client, key)], 1_000_000) == 2
 
 
-def test_a_late_copy_placed_anew_takes_the_earliest_hole_not_the_end_of_the_line(
-    limiter: Limiter, redis_client: redis.Redis
+@pytest.mark.parametrize("horizon", [600.0, 0.4], ids=["within-the-horizon", "past-it"])
+def test_a_late_copy_placed_anew_takes_the_first_room_within_the_horizon(
+    limiter: Limiter, redis_client: redis.Redis, horizon: float
 ) -> None:
     """2 per 2 s. The first slot's copy comes late and starts then; the next slot's
-    copy finds no room near its slot counting what started, and is placed anew: in the
-    hole two released slots left, not after the last reservation."""
+    copy finds no room near its slot counting what started, and is placed anew: where
+    it first fits among every entry (the late start leaving, the slots after it
+    released), not after the last reservation; and when that is past the horizon, it
+    holds no slot (it competes again, as a new call would)."""
     rate = Limit("2/2s")
     line = _line(limiter, "late", rate, 10)  # slots 2, 2, 4, 4, ... 10 s ahead
     first, second = line[0], line[2]  # due 2 s and 4 s ahead
-    hole = line[6].at  # due 8 s ahead
-    for d in line[6:8]:
+    for d in line[4:6]:  # due 6 s ahead
         limiter.release(d.token, "late", rate)  # type: ignore[arg-type]
     sleep_until(redis_client, us(first.at + 0.6))  # late by more than a quarter window
     late = limiter.confirm(first.token, "late", rate)  # type: ignore[arg-type]
     assert late.allowed  # its slot's partner never came: room among what started
     sleep_until(redis_client, us(second.at))
-    moved = limiter.confirm(second.token, "late", rate)  # type: ignore[arg-type]
-    assert moved.reserved and moved.token == second.token
+    moved = limiter.confirm(second.token, "late", rate, horizon=horizon)  # type: ignore[arg-type]
     key = log_key(limiter, "late", rate)
+    # when the late start leaves its window (the line's end: 12 s ahead)
+    due = us(late.at) + 2_000_000
+    if horizon > 1:
+        assert moved.reserved and moved.token == second.token
+        assert us(moved.at) == due, (moved.at - second.at, late.at - second.at)
+    else:
+        assert not moved.allowed and not moved.reserved
+        assert us(moved.at) + us(moved.retry_after) == due
+        member = bytes.fromhex(second.token)  # type: ignore[arg-type]
+        assert redis_client.zscore(key, member) is None
+        assert redis_client.zscore(key + PENDING, member) is None
     assert max_in_window([t for t, _ in entries(redis_client, key)], 2_000_000) <= 2
-    assert us(moved.at) == us(hole), (moved.at - second.at, hole - second.at)
 
 
 @pytest.mark.parametrize(

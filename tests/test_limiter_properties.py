@@ -48,23 +48,73 @@ def first_fit(logs: list[tuple[Log, int, int]], now: int, cost: int) -> int:
     raise AssertionError("the model found no instant")  # pragma: no cover
 
 
-#: The entries the script's first fit walks at most (lib/log_search.lua's FIT_WALK).
-FIT_WALK = 32
+#: The windows the script's first fit checks at most (lib/fit.lua's FIT_STEPS).
+FIT_STEPS = 4
+
+
+def line_end(log: Log, now: int, cost: int, window: int, limit: int) -> int:
+    """The earliest s from now at which the entries of ``log`` later than s - W, every
+    one of them, leave room for ``cost``: every instant from it fits."""
+    return next(
+        s
+        for s in sorted({now} | {t + window for t, _ in log if t + window > now})
+        if weight_after(log, s - window) + cost <= limit
+    )
+
+
+def log_fit(
+    log: Log, start: int, now: int, cost: int, window: int = WINDOW_US, limit: int = LIMIT
+) -> int:
+    """The model of one log's placement from ``start`` (lib/log_search.lua, log_fit_at),
+    as far as the script searches: it checks the window ending at s and at each entry in
+    (s, s + W), going on from where one that holds too much has room, for FIT_STEPS
+    windows at most; then it takes the end of the line (the earliest s from now at which
+    the entries later than s - W, every one of them, leave room for ``cost``)."""
+    live = [(t, w) for t, w in log if t > now - window]
+    if sum(w for _, w in live) + cost <= limit:
+        return start
+    end = line_end(live, now, cost, window, limit)
+    if end <= start or max(t for t, _ in live) <= start:
+        return max(end, start)
+    s = p = start
+    for _ in range(FIT_STEPS):
+        held = sorted((t, w) for t, w in live if p - window < t <= p)
+        weight = sum(w for _, w in held)
+        if weight + cost > limit:
+            for t, w in held:  # the oldest leave first
+                weight -= w
+                if weight + cost <= limit:
+                    s = p = t + window
+                    break
+            if s >= end:
+                return end
+        else:
+            later = [t for t, _ in live if p < t < s + window]
+            if not later:
+                return s
+            p = min(later)
+    return end
 
 
 def earliest_fit(log: Log, now: int, cost: int) -> int:
-    """:func:`first_fit` for the one limit ``RATE``, as far as the script walks: when
-    the first fit lies less than a window before the FIT_WALK-th entry ahead, else the
-    end of the line (the earliest s at which the entries later than s - W, every one of
-    them, leave room for ``cost``)."""
-    found = first_fit([(log, WINDOW_US, LIMIT)], now, cost)
-    ahead = sorted(t for t, _ in log if t > now - WINDOW_US)
-    if len(ahead) < FIT_WALK or found + WINDOW_US <= ahead[FIT_WALK - 1]:
-        return found
-    for s in sorted({now} | {t + WINDOW_US for t, _ in log if t + WINDOW_US > now}):
-        if weight_after(log, s - WINDOW_US) + cost <= LIMIT:
-            return s
-    raise AssertionError("the model found no instant")  # pragma: no cover
+    """:func:`log_fit` from now, for the one limit ``RATE``."""
+    return log_fit(log, now, now, cost)
+
+
+def logs_place(logs: list[tuple[Log, int, int]], now: int, cost: int) -> int:
+    """The model of a placement in several logs (lib/log_search.lua, logs_place): each
+    log's :func:`log_fit` in turn until none moves the instant (at most four rounds),
+    else the end of every line."""
+    at, fits, asked, i, n = now, 0, 0, 0, len(logs)
+    while fits < n and asked < 4 * n:
+        log, window, limit = logs[i]
+        i, asked = (i + 1) % n, asked + 1
+        s = log_fit(log, at, now, cost, window, limit)
+        at, fits = (s, 1) if s > at else (at, fits + 1)
+    if fits < n:
+        for log, window, limit in logs:
+            at = max(at, line_end(log, now, cost, window, limit))
+    return at
 
 
 def uses_abandoned_room(
@@ -182,7 +232,8 @@ def test_a_line_with_holes_is_placed_in_as_the_model_places_it(
         assert d.allowed or d.reserved, d
         at = us(d.at)
         now = at - us(d.retry_after)
-        assert first_fit(logs, now, cost) == at, (logs, now, cost)
+        assert logs_place(logs, now, cost) == at, (logs, now, cost)
+        assert first_fit(logs, now, cost) <= at  # a first fit, as far as the walk goes
         held.append((d.token, cost))  # type: ignore[arg-type]
     for key, (w, limit) in zip(keys, shape, strict=True):
         log = entries(redis_client, key)

@@ -163,7 +163,8 @@ class Limiter(KeyControls):
         Allowed if its slot has come; ``reserved`` with the time left if not yet; if the
         reservation is gone (Redis restarted, key reset), competes again as ``acquire``
         with ``reserve=True``, as it does when a call already started on it (a message
-        delivered twice).
+        delivered twice). A call so late that it is placed anew, past ``horizon``, is
+        denied and holds no slot: it competes again later, as a new call.
 
         Raises:
             InvalidLimit: ``token`` is not a token the limiter wrote, or a bad horizon.

@@ -127,5 +127,14 @@ local function conc_stay(c, at)
   end
 end
 
-concurrency = {gate = conc_gates, commit = conc_commit, handed = conc_handed, stay = conc_stay}
+-- The call `c` gives up its places in line: it will compete again as a new call.
+local function conc_leave(c)
+  for _, cc in ipairs(c.concs) do
+    redis.call('ZREM', cc.w, c.token)
+    redis.call('ZREM', cc.h .. HANDOFF, c.token)
+  end
+end
+
+concurrency = {gate = conc_gates, commit = conc_commit, handed = conc_handed, stay = conc_stay,
+  leave = conc_leave}
 end

@@ -37,48 +37,20 @@ local function log_free_at(k, excess, now)
   end
 end
 
--- A first fit (log_fit_at) walks at most this many entries, then settles for the end
--- of the line (log_free_at's answer): a hole further ahead is taken once it is nearer.
-local FIT_WALK = 32
+--- @include "lib/fit.lua"
 
 -- The earliest instant from `from` (not before now) at which k's cost fits every window
--- containing it, counting every entry: a reservation's place, a denial's retry_after.
--- A line of reservations with holes in it (a released slot, a start placed elsewhere)
--- has its earliest hole taken, not a place after its last entry. Every entry is a
--- weight on [e, e + W) (the windows (t - W, t] it is in); the instant s fits when no t
--- in [s, s + W) carries more than the limit less the cost; so the walk goes through
--- those weights in time order, and past every stretch that carries too much. With no
--- entry later than `from`, the heaviest window holding s is the one ending at s, and
--- log_free_at's answer is the first fit.
+-- containing it, counting every entry (lib/fit.lua): a reservation's place, a denial's
+-- retry_after. A line of reservations with holes in it (a released slot, a start placed
+-- elsewhere, a stretch before a line far ahead) has its earliest hole taken, not a
+-- place after its last entry. With no entry later than `from`, the heaviest window
+-- holding s is the one ending at s, and log_free_at's answer is the first fit.
 local function log_fit_at(k, from, now)
   local excess = k.total + k.cost - k.limit
   if excess <= 0 then return from end
   local last = log_free_at(k, excess, now)  -- every instant from it fits
   if last <= from or k.newest <= from then return math.max(last, from) end
-  local w, cap = k.window, k.limit - k.cost
-  local rows = redis.call('ZRANGEBYSCORE', k.key, '(' .. us(from - w), '+inf', 'WITHSCORES',
-    'LIMIT', 0, FIT_WALK)
-  local n = #rows / 2
-  local t, wt = {}, {}
-  for j = 1, n do
-    t[j] = tonumber(rows[2 * j])
-    wt[j] = k.unit > 0 and k.unit or weight_of(rows[2 * j - 1])
-  end
-  -- past the last entry read, a full walk's weights are unknown
-  local cut = n == FIT_WALK and t[n] or math.huge
-  local s, at, f, i, j = from, from, 0, 1, 1
-  while i <= n and t[i] <= at do f, i = f + wt[i], i + 1 end
-  while true do
-    -- the stretch [at, nxt) carries f
-    local nxt = i <= n and t[i] or math.huge
-    if j < i and t[j] + w < nxt then nxt = t[j] + w end
-    if at >= s + w then return s end
-    if at >= cut or s >= last then return last end
-    if f > cap then s = nxt end
-    at = nxt
-    while i <= n and t[i] == at do f, i = f + wt[i], i + 1 end
-    while j < i and t[j] + w == at do f, j = f - wt[j], j + 1 end
-  end
+  return fit_at(k.key, from, k.window, k.limit - k.cost, k.unit, weight_of, last)
 end
 
 -- The earliest instant from `at` (set by limit `by`, lib/call.lua's denied_by) at which

@@ -9,7 +9,8 @@
 -- / 4 past t0. A late task thus never bunches with the next ones, and an overdue one
 -- starts ahead of the slots still to come when their room is free. Otherwise (status 3)
 -- it is placed as a new reservation would be, at the earliest instant it fits counting
--- every entry (a hole in the line first): taking the next room that started tasks
+-- every entry (a hole in the line first), and within the horizon (else denied, status
+-- 0: it competes again): taking the next room that started tasks
 -- leave would push the task due there, and that one the next, a chain of deferrals
 -- through the whole backlog; waiting longer in-process would make every task after a
 -- late one wait as long. A task on time but held back only by its
@@ -112,7 +113,15 @@ local function start(c, cal, conc)
         return s, by
       end
     end
-    start = logs_place(ks, gate, 0, now, push)
+    local by
+    start, by = logs_place(ks, gate, gate > now and gate_by or 0, now, push)
+    if start - now > c.horizon then
+      -- not within the horizon: no slot so far ahead (as for a new call); the task
+      -- competes again, its place in any line given up
+      for _, k in ipairs(ks) do log_pend(k, nil, now) end
+      if conc then conc.leave(c) end
+      return answer(0, now, start - now, by)
+    end
   elseif cal then
     start = cal.gate(c, cals, start, 0)
   end
