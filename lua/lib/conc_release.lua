@@ -41,6 +41,9 @@ local function conc_release(cc, token, now, hand)
   if start then
     local took = now - tonumber(start)
     local avg = tonumber(redis.call('ZSCORE', cc.h, '') or 0)
+    -- one body held far longer (its release delayed by an outage of Redis, a stalled
+    -- worker) teaches at most twice the average: the turns of a line are placed by it
+    if avg > 0 then took = math.min(took, 2 * avg) end
     avg = avg > 0 and avg + (took - avg) / 4 or took
     redis.call('ZADD', cc.h, math.max(math.floor(avg), 1), '')
     redis.call('ZREM', cc.h, token)
