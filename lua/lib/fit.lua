@@ -1,28 +1,19 @@
--- lib/fit.lua — the first fit of a call in a sliding log (lib/log_search.lua,
--- log_fit_at; acquire.lua's own for a plain call): the earliest instant from `from` at
--- which the call fits every window of the log `key` that holds it, counting every
--- entry, when that comes before the end of the line. Plain values, so that the plain
--- acquire.lua, which builds no state table, places a call as the full script does.
---
--- The instant s fits when no window (t - W, t] with t in [s, s + W) holds more than
--- `cap` (the limit less the call's cost). A window's weight grows only where an entry
--- comes in, so the windows to check end at s and at each entry in (s, s + W). Where one
--- holds too much, no s before the instant enough of its weight has left fits: the
--- search goes on from there. It checks at most FIT_STEPS windows, then settles for
--- `last` (an instant from which every instant fits: the end of the line); a hole further
--- ahead is taken once it is nearer.
+-- lib/fit.lua — the first fit of a call in a sliding log (docs/timing.md, "Exact
+-- windows"), in plain values for acquire.lua and lib/log_search.lua: the earliest s from
+-- `from` at which no window (t - w, t], t in [s, s + w), holds more than `cap`. Only an
+-- entry coming in makes a window heavier, so the windows to check end at s and at each
+-- entry in (s, s + w); past a full one, the search goes on from where it has room. At
+-- most FIT_STEPS windows, else `last`: the end of the line, from which every instant fits.
 
 local FIT_STEPS = 4
 
--- nil if the window of `key` ending at p holds at most `cap`, else the instant from
--- which it would (in (p, p + w]). `unit`: the weight of every entry (0: mixed, each read
--- by `weigh` from its member).
+-- nil if the window ending at p holds at most `cap`, else the instant it would. `unit`:
+-- the weight of every entry (0: each member's, read by `weigh`).
 local function fit_window(key, p, w, cap, unit, weigh)
   local lo, hi = string.format('(%.0f', p - w), string.format('%.0f', p)
   if unit > 0 then
     local held = redis.call('ZCOUNT', key, lo, hi) * unit
     if held <= cap then return nil end
-    -- the entry whose leaving makes room
     local row = redis.call('ZRANGEBYSCORE', key, lo, hi, 'WITHSCORES', 'LIMIT',
       math.ceil((held - cap) / unit) - 1, 1)
     return tonumber(row[2]) + w
@@ -42,8 +33,7 @@ local function fit_at(key, from, w, cap, unit, weigh, last)
   for _ = 1, FIT_STEPS do
     local room = fit_window(key, p, w, cap, unit, weigh)
     if room then
-      -- no instant in (p - w, room) fits: s is one of them
-      s, p = room, room
+      s, p = room, room  -- nothing in (p - w, room) fits
       if s >= last then return last end
     else
       local row = redis.call('ZRANGEBYSCORE', key, string.format('(%.0f', p),
