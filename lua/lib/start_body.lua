@@ -10,11 +10,11 @@
 -- starts ahead of the slots still to come when their room is free. Otherwise (status 3)
 -- it is placed as a new reservation would be, at the earliest instant it fits counting
 -- every entry (a hole in the line first), and within the horizon (else denied, status
--- 0: it competes again): taking the next room that started tasks
--- leave would push the task due there, and that one the next, a chain of deferrals
--- through the whole backlog; waiting longer in-process would make every task after a
--- late one wait as long. A task on time but held back only by its
--- turn in a concurrency line keeps its slot and comes back at that turn.
+-- 0: it competes again): taking the next room that started tasks leave would push the
+-- task due there, and that one the next, a chain of deferrals through the whole
+-- backlog; waiting longer in-process would make every task after a late one wait as
+-- long. A task on time but held back only by its turn in a concurrency line keeps its
+-- slot and comes back at that turn.
 -- A paced limit (lib/pace.lua): a slot was paced when it was reserved; its start is
 -- checked, by the same rule, in a window of one interval holding at most the burst
 -- (pace_window): a task whose copy came late never bunches with the starts before it.
