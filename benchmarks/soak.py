@@ -86,6 +86,7 @@ class Soak:
         self.seconds = args.minutes * 60
         self.t0 = time.monotonic()
         self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="crl-soak-"))
+        self.keep = args.workdir is not None  # the servers' AOFs are copied there at the end
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.record = Record(self.workdir / "runs.jsonl")
         self.sent: dict[str, float] = {}  # task id -> when it was sent (epoch seconds)
@@ -213,7 +214,7 @@ class Soak:
                     node.stop()
                 producer.close()
                 for box in self.boxes.values():
-                    box.close()
+                    box.close(keep=self.workdir if self.keep else None)
                 if self.rabbit is not None:
                     self.rabbit.close()
         self.record.read()
@@ -287,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--drain", type=float, help="seconds to wait at most (default: 600, or 60%% of the run)"
     )
-    parser.add_argument("--workdir", help="where the record and the nodes' logs go")
+    parser.add_argument(
+        "--workdir", help="where the record, the nodes' logs and (then) each Redis's AOF go"
+    )
     return Soak(parser.parse_args(argv)).run()
 
 

@@ -85,6 +85,7 @@ def record(task: Any, event: str, **extra: Any) -> None:
         "task": task.name.rsplit(".", 1)[-1],
         "at": round(decision.at * 1_000_000) if decision is not None else None,
         "reserved": getattr(decision, "reserved", None),
+        "token": getattr(decision, "token", None),
         "deferrals": getattr(task.request, "ratelimit_deferrals", 0) or 0,
         "t": time.time(),
         "pid": os.getpid(),

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
@@ -85,7 +86,10 @@ class RedisBox:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.server = RedisServer("--appendonly", "yes", "--appendfsync", "everysec")
+        # no AOF rewrite: the AOF keeps every write, for tracing a window afterwards
+        self.server = RedisServer(
+            "--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-percentage", "0"
+        )
 
     @property
     def url(self) -> str:
@@ -114,10 +118,14 @@ class RedisBox:
                 with self.client() as client:
                     client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
 
-    def close(self) -> None:
+    def close(self, keep: Path | None = None) -> None:
+        """Stop the server; ``keep``: copy its data directory (the AOF) there first."""
         with contextlib.suppress(Exception):
             if self.server.proc is not None:
                 self.server.proc.send_signal(signal.SIGCONT)
+        self.server.stop()
+        if keep is not None:
+            shutil.copytree(self.server.dir, keep / f"redis-{self.name}", dirs_exist_ok=True)
         self.server.close()
 
 
