@@ -1,25 +1,20 @@
 -- acquire.lua — the plain decision: count a call now against every limit of its key,
 -- all or nothing, or reserve it; for a call whose limits are all unpaced sliding logs,
--- counted at cost 1, with no lead. Everything else (pace, lead, weights, an upstream's
--- observed budget, a slot abandoned in a full window, reservations ahead of a paused
--- key or of one of several limits) is acquire_full.lua's, which decides the same calls
--- with the same data (lib/log.lua).
+-- counted at cost 1, with no lead. Everything else (below: {8}) is acquire_full.lua's,
+-- which decides the same calls with the same data (lib/log.lua).
 --
 -- KEYS  the log of each limit (n), its pending set (n), its key's settings hash (n)
 -- ARGV  1 token (8 bytes), 2 flag, 3 n, 4-5 "0" "0", 6 horizon µs, 7 guard µs,
---       8 hold µs, 9 lead "0", then (limit, window µs, cost 1, burst "0") of each
---       limit: as lib/call.lua's
+--       8 hold µs, 9 lead "0", then (limit, window µs, cost 1: not read, burst "0") of
+--       each limit: as lib/call.lua's (scripts.Shape.plain)
 -- flag  "now": count it now, or deny (status 1 or 0); "reserve": count it now, else at
 --       the earliest instant it fits within the horizon (status 2, the slot kept in the
 --       pending set; 6 when within `hold`), else deny; "peek": as "now", writing nothing
 -- Reply {status, remaining, retry_after, reset_after, denied_by, at} (lib/call.lua), or
---       {8}: send this call to acquire_full.lua; only expired entries were removed
---
--- Every call of a plain limit runs this file, so it is written for the Lua work Redis
--- does per call: one pass over the limits, a small array per limit built whole, no
--- closures, the settings hash read once for consecutive limits of one key. The cost in
--- ARGV is always 1 here (scripts.Shape.plain), so it is not read; a lead or a burst
--- sends the call to acquire_full.lua.
+--       {8}: send this call to acquire_full.lua (pace, lead, weights, an upstream's
+--       observed budget, more than PRUNE_BATCH expired entries, and in a full window a
+--       slot abandoned or reservations ahead of a paused key or of one of several
+--       limits); only expired entries were removed
 
 --- @include "lib/fit.lua"
 
@@ -38,9 +33,9 @@ local guard = tonumber(ARGV[7])
 -- each limit: its key's settings (a pause holds the call until then; a rate override in
 -- force replaces the limit of its window, or of any window for its key's only limit),
 -- then its log's meta members ("" total, "+" newest, "=" unit, "~" expiry: lib/log.lua),
--- its expired entries pruned (counted only, on a peek), a batch at a time when many;
+-- its expired entries pruned (counted only, on a peek; more than PRUNE_BATCH: {8});
 -- then whether the call fits. A limit's state is kept by position (KEY .. DIRTY).
-local KEY, LIMIT, WINDOW, TOTAL, STALE, NEWEST, EXPIRY, DIRTY = 1, 2, 3, 4, 5, 6, 7, 8
+local KEY, LIMIT, WINDOW, TOTAL, NEWEST, EXPIRY, DIRTY = 1, 2, 3, 4, 5, 6, 7
 local ks, gate, s, status, at, denied_by = {}, now, nil, 1, now, 0
 for i = 1, n do
   local a = 6 + 4 * i
@@ -68,8 +63,8 @@ for i = 1, n do
   window = window + slack
   local key = KEYS[i]
   local m = call('ZMSCORE', key, '', '+', '=', '~')
-  local total, newest, expiry, stale, dirty = tonumber(m[1] or 0), -tonumber(m[2] or 0),
-    -tonumber(m[4] or 0), 0, false
+  local total, newest, expiry, dirty = tonumber(m[1] or 0), -tonumber(m[2] or 0),
+    -tonumber(m[4] or 0), false
   if total > 0 then
     if tonumber(m[3]) ~= 1 then status = 8 break end  -- weighted entries
     local cutoff, gone = now - window, 0
@@ -81,30 +76,23 @@ for i = 1, n do
       dirty = gone > 0
     else
       gone = call('ZCOUNT', key, ENTRY_FLOOR, cutoff)
+      if write and gone > PRUNE_BATCH then status = 8 break end  -- pruned a batch a call
       if write and gone > 0 then
-        local upto = cutoff
-        if gone > PRUNE_BATCH then
-          local edge = call('ZCOUNT', key, '-inf', '(' .. ENTRY_FLOOR) + PRUNE_BATCH - 1
-          upto = call('ZRANGE', key, edge, edge, 'WITHSCORES')[2]
-        end
-        stale = gone - call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, upto)
+        call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
         dirty = true
       end
     end
     total = total - gone
     if total < 0 then total = 0 end
   end
-  ks[i] = {key, limit, window, total, stale, newest, expiry, dirty}
+  ks[i] = {key, limit, window, total, newest, expiry, dirty}
   if total + 1 > limit then
-    -- full: a slot abandoned in its window may give room (acquire_full.lua's to weigh)
-    local pending = KEYS[n + i]
-    if call('ZCOUNT', pending, string.format('(%.0f', now - exact), floor(now - exact / 4)) > 0 then
-      status = 8
-      break
-    end
-    -- reservations ahead of a paused key, or of one of several limits: acquire_full.lua
-    -- places the call where it fits all of them (lib/log_search.lua, logs_place)
-    if newest > now and (n > 1 or gate > now) then
+    -- full. acquire_full.lua's: reservations ahead of a paused key or of one of several
+    -- limits (placed where they fit all: lib/log_search.lua, logs_place), and a slot
+    -- abandoned in the window (it may give room)
+    local abandoned = string.format('(%.0f', now - exact)
+    if (newest > now and (n > 1 or gate > now))
+      or call('ZCOUNT', KEYS[n + i], abandoned, floor(now - exact / 4)) > 0 then
       status = 8
       break
     end
@@ -114,7 +102,7 @@ for i = 1, n do
     local nth = call('ZCOUNT', key, '-inf', string.format('%.0f', now - window)) + total - limit
     local row = call('ZRANGE', key, nth, nth, 'WITHSCORES')
     local free = row[2] and tonumber(row[2]) + window or now + window
-    if newest > now and free > now then free = fit_at(key, now, window, limit - 1, 1, nil, free) end
+    if newest > now then free = fit_at(key, now, window, limit - 1, 1, counted_room, free) end
     if free > at then at, denied_by = free, i end
   end
 end
@@ -141,13 +129,12 @@ for i = 1, #ks do
   local k = ks[i]
   local key, window, total, newest = k[KEY], k[WINDOW], k[TOTAL], k[NEWEST]
   if counted then
-    local count = total + k[STALE]
-    if count > 0 and at > newest and at + window <= k[EXPIRY] then
+    if total > 0 and at > newest and at + window <= k[EXPIRY] then
       -- the usual entry: one more of the one weight, the newest
-      call('ZADD', key, at, token, count + 1, '', -at, '+')
+      call('ZADD', key, at, token, total + 1, '', -at, '+')
     else
-      local z = {at, token, count + 1, ''}
-      if count == 0 then z[5], z[6] = 1, '=' end
+      local z = {at, token, total + 1, ''}
+      if total == 0 then z[5], z[6] = 1, '=' end
       if at > newest then z[#z + 1], z[#z + 2] = -at, '+' end
       if at + window > k[EXPIRY] then
         local ttl = math.ceil((at + window - now) / 1000) + TTL_MARGIN_MS
@@ -168,7 +155,7 @@ for i = 1, #ks do
     total = total + 1
     if at > newest then newest = at end
   elseif write and k[DIRTY] then
-    call('ZADD', key, total + k[STALE], '')
+    call('ZADD', key, total, '')
   end
   if remaining == nil or k[LIMIT] - total < remaining then remaining = k[LIMIT] - total end
   if total > 0 and newest + window - now > reset then reset = newest + window - now end

@@ -39,6 +39,18 @@ end
 
 --- @include "lib/fit.lua"
 
+-- nil if the window ending at p holds at most `cap` in weight, else the instant it would
+local function weighed_room(key, p, w, cap)
+  local rows = redis.call('ZRANGEBYSCORE', key, '(' .. us(p - w), us(p), 'WITHSCORES')
+  local held = 0
+  for j = 1, #rows, 2 do held = held + weight_of(rows[j]) end
+  if held <= cap then return nil end
+  for j = 1, #rows, 2 do
+    held = held - weight_of(rows[j])
+    if held <= cap then return tonumber(rows[j + 1]) + w end
+  end
+end
+
 -- The earliest instant from `from` (not before now) at which k's cost fits every window
 -- containing it, counting every entry (lib/fit.lua): a reservation's place, a denial's
 -- retry_after. A line of reservations with holes in it (a released slot, a start placed
@@ -50,7 +62,8 @@ local function log_fit_at(k, from, now)
   if excess <= 0 then return from end
   local last = log_free_at(k, excess, now)  -- every instant from it fits
   if last <= from or k.newest <= from then return math.max(last, from) end
-  return fit_at(k.key, from, k.window, k.limit - k.cost, k.unit, weight_of, last)
+  local room = k.unit > 0 and counted_room or weighed_room
+  return fit_at(k.key, from, k.window, k.limit - k.cost, k.unit, room, last)
 end
 
 -- The earliest instant from `at` (set by limit `by`, lib/call.lua's denied_by) at which
