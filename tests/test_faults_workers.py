@@ -6,6 +6,7 @@ Run with ``-s`` to see the figures.
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import shutil
@@ -14,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -350,4 +352,52 @@ def test_thousands_of_tasks_through_three_nodes_lose_nothing_and_leave_no_keys(
     # rounds of the same load (measured: +49 KB, then +1.6 KB, +0, +0), not a leak
     assert keys_after == 0
     assert client.info("memory")["number_of_cached_scripts"] == scripts
+    client.close()
+
+
+def test_a_copy_placed_anew_past_the_horizon_holds_no_slot_and_runs_once(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+) -> None:
+    """2 per 4 s, a horizon of 1.5 s (``ratelimit_max_countdown``), a line of six
+    reservations made by a producer on the task's key. Two deferred copies hold slots
+    of that line, as a deferring node publishes them: A's comes 1.5 s late (more than a
+    quarter window: its slot's partner never came, so it starts); B's comes on time,
+    but A's late start fills its window, and the first room counting every entry is
+    past the horizon. B's slot is dropped, the node publishes B again without one (it
+    competes as a new call, as the Lua tests of the limiter say) and B runs once."""
+    from celery_ratelimit import Limit, Limiter
+    from celery_ratelimit._celery.check import DEFERRALS_HEADER, TOKEN_HEADER
+    from celery_ratelimit._engine.layout import PENDING
+
+    rate = Limit("2/4s")
+    fleet.add(1, rate="2/4s", max_countdown="1.5")
+    client = redis.Redis.from_url(fleet.limiter_url)
+    producer = Limiter(client, prefix=fleet.prefix)
+    for _ in range(2):
+        assert producer.acquire("shared", rate).allowed
+    line = [producer.acquire("shared", rate, reserve=True, horizon=60) for _ in range(6)]
+    assert all(d.reserved and d.token for d in line)
+    first, second = line[0], line[2]  # due 4 s and 8 s ahead
+
+    def copy(i: int, slot: Any, late: float) -> str:
+        eta = datetime.datetime.fromtimestamp(slot.at + late, tz=datetime.timezone.utc)
+        headers = {TOKEN_HEADER: slot.token, DEFERRALS_HEADER: 1}
+        return fleet.send("limited", i, eta=eta, headers=headers)
+
+    a, b = copy(1, first, 1.5), copy(2, second, 0.0)
+    runs = fleet.wait_for_runs([a, b], 40, settle=1.0)
+    counts = Counter(r["id"] for r in runs)
+    assert counts == {a: 1, b: 1}, (counts, fleet.logs())
+    deferred = [line for line in fleet.grep("ratelimit: deferred ") if b in line]
+    assert len(deferred) == 1 and "slot reserved" not in deferred[0], deferred
+    assert not [line for line in fleet.grep("ratelimit: deferred ") if a in line]
+    grant = {r["id"]: r["granted"] for r in runs}
+    # B's slot went with its placement past the horizon, from the log and the pending set
+    log = producer.keys_for("shared", rate)[0]
+    member = bytes.fromhex(second.token)  # type: ignore[arg-type]
+    assert client.zscore(log, member) is None and client.zscore(log + PENDING, member) is None
+    # A started late, at its arrival; B competed again after the horizon's countdown
+    assert grant[a] >= round((first.at + 1.5) * 1e6)
+    assert grant[b] >= round((second.at + 1.5) * 1e6)
+    assert max_grants(runs, 4_000_000) <= 2
     client.close()
