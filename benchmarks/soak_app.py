@@ -68,10 +68,12 @@ app.conf.update(
 )
 if os.environ.get("SOAK_REDIS"):
     app.conf.ratelimit_redis_url = os.environ["SOAK_REDIS"]
+if os.environ.get("SOAK_REDIS") and BROKER.startswith("redis"):
     # The park is off (it is on only on the broker's Redis): a deferred copy waits in
-    # the broker as an ETA message, which must not outlive the visibility timeout above.
-    # With the park on, a copy due later than ratelimit_park_after waits in the park,
-    # so the default configuration keeps the default horizon (600 s).
+    # the Redis broker as an ETA message, which must not outlive the visibility timeout
+    # above. With the park on, a copy due later than ratelimit_park_after waits in the
+    # park; a RabbitMQ broker has no visibility timeout (a consumer holds an ETA message
+    # unacknowledged for as long as it waits): both keep the default horizon (600 s).
     app.conf.ratelimit_max_countdown = 10.0
 
 
