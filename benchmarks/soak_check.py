@@ -149,8 +149,8 @@ def judge(
     lost = ids - set(record.done)
     lines = [ln for p in logs.glob("*.log") for ln in p.read_text("utf-8", "replace").split("\n")]
     due = due_times(lines)
-    received = {i for i in lost if any(i in line and "received" in line for line in lines)}
     published, receipts = _stamps(lines, _PUBLISHED), _stamps(lines, _RECEIVED)
+    received = lost & set(receipts)
     gap = set()
     gap_at: dict[str, float] = {}
     for i in lost:
@@ -186,7 +186,7 @@ def judge(
     lost -= cut
     if lost:
         # a mover's line for each parked copy it published (celery_ratelimit/_celery/park.py)
-        moved = {i for i in lost if any(i in ln and "published parked" in ln for ln in lines)}
+        moved = lost & set(published)
         details.append(
             f"lost: {sorted(lost)[:10]} ({len(lost & received)} were received, "
             f"{len(moved)} published from the park)"
