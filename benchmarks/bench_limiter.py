@@ -110,6 +110,13 @@ def _table(title: str, rows: dict[str, Any], line: Callable[[str, Any], str]) ->
         print(f"    {line(name, row)}")
 
 
+def _per_call(width: int) -> Callable[[str, Any], str]:
+    """A line of a table of Redis µs per call: the row's name, then its figure."""
+    return lambda name, row: (
+        f"{name:{width}} {row['usec_per_call'] if isinstance(row, dict) else row:8}"
+    )
+
+
 def _mean_us(fn: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -555,17 +562,17 @@ def main(argv: list[str]) -> int:
     _table(
         "(b) server side           usec/call         (target <= 8, cost 1000 <= 1.2x)",
         results["b_server_side"],
-        lambda name, row: f"{name:24} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+        _per_call(24),
     )
     _table(
         "(b2) a plain decision beside the bare script of its commands   usec/call",
         results["b2_plain_beside_bare"],
-        lambda name, row: f"{name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+        _per_call(28),
     )
     _table(
         "(b3) a reserving call behind a line of reservations   usec/call",
         results["b3_backlog"],
-        lambda name, row: f"{name:28} {row['usec_per_call'] if isinstance(row, dict) else row:8}",
+        _per_call(28),
     )
     _table(
         "(c) memory                bytes/entry  bytes  encoding   (target <= 60/entry)",

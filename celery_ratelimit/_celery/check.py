@@ -24,7 +24,6 @@ from .._engine.limit import Concurrency, Limit
 from .._engine.limiter import Limiter
 from .._engine.scripts import Prepared
 from . import clock
-from .beside import attach
 from .green import _pool
 from .metrics import metrics_for
 from .plan import Plan, plan_for
@@ -50,8 +49,7 @@ TOKEN_HEADER = "ratelimit_token"
 RETRIES_HEADER = "ratelimit_retries"
 #: Request attribute holding the Decision that let the task run: kept beside the
 #: request, not in it, since a copy of the request's attributes may become a message.
-DECISION_ATTR = "ratelimit_decision"
-attach(DECISION_ATTR)
+DECISION_ATTR = "ratelimit_decision"  # task.Beside
 #: A body never deferred reads ``request.ratelimit_deferrals`` as 0, whatever context
 #: Celery built for it (an eager call's, a fresh one of ``Task.__call__``): a default on
 #: ``Context`` itself; a deferred copy's header sets the request's own value. (Celery

@@ -23,15 +23,13 @@ from typing import Any
 from celery import signals
 
 from .._engine.limiter import Limiter
-from .beside import attach
 from .park import call_in_handed
 
 logger = logging.getLogger("celery_ratelimit")
 
 #: Request attribute holding the running body's slot (not a ``ratelimit_`` header),
-#: kept beside the request like the Decision (see ``beside``).
+#: kept beside the request like the Decision (see ``task.Beside``).
 SLOT_ATTR = "_ratelimit_slot"
-attach(SLOT_ATTR)
 
 
 @dataclass

@@ -18,15 +18,21 @@ A third, ``ratelimit_retries``, tells a user's ``self.retry()`` of a deferred ta
 copies every header) from a deferral: the retry counts its own deferrals afresh.
 The copy is published *before* the original message is acknowledged: a crash in
 between can duplicate a message, never lose one.
+
+The Decision that let a body run (``request.ratelimit_decision``) and the body's
+concurrency slots are kept beside its request, never in it (:class:`Beside`).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from celery import Task, signals
+from celery.app.task import Context
 from celery.exceptions import Retry
 
 from .._engine.decision import Decision
@@ -44,9 +50,67 @@ from .defer import Deferral, defer
 from .path import Path, enforce
 from .plan import check_key_fields, plan_for
 from .settings import limiter_for
-from .slots import release
+from .slots import SLOT_ATTR, release
 
 logger = logging.getLogger("celery_ratelimit")
+
+#: Each request a value was set on, by its handle (gone with the request).
+_requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+#: The values kept for a request, by name (gone with the request).
+_values: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+class Beside:
+    """``request.<name>``: a value kept beside the request, never in it (None if none).
+
+    Celery copies a request's attributes into message headers: building a new request
+    context from an old one (``Task.__call__`` does, when the worker has not optimized it
+    away) makes every attribute that is not one of ``Context``'s own a "custom header", and
+    ``self.retry()``, ``replace()`` and stamping publish those headers. A ``Decision`` (or
+    a concurrency slot's lease) set there cannot be serialized, and the retry fails.
+
+    So ``request.<name>`` for such a value is a data descriptor set on Celery's
+    ``Context`` class (:func:`attach`): the name becomes one of ``Context``'s own, which
+    Celery leaves out of custom headers, and the request itself holds only a handle under
+    it, a random string. The value is kept in this process, keyed by the request it was
+    set on, and goes when that request does. A copy of the context carries the handle and
+    reads the same value while the original lives; a handle that travelled anyway (a
+    Celery that copied it into a message) is a plain string that names nothing in another
+    execution.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, request: Any, owner: type | None = None) -> Any:
+        if request is None:
+            return self
+        handle = request.__dict__.get(self.name)
+        origin = _requests.get(handle) if isinstance(handle, str) else None
+        if origin is None:
+            return None
+        return _values.get(origin, {}).get(self.name)
+
+    def __set__(self, request: Any, value: Any) -> None:
+        handle = request.__dict__.get(self.name)
+        if not isinstance(handle, str) or _requests.get(handle) is not request:
+            handle = secrets.token_hex(8)
+            _requests[handle] = request
+        _values.setdefault(request, {})[self.name] = value
+        request.__dict__[self.name] = handle
+
+    def __delete__(self, request: Any) -> None:
+        self.__set__(request, None)
+
+
+def attach(name: str) -> None:
+    """Make ``request.<name>`` a value kept beside each request (once per name)."""
+    if not isinstance(Context.__dict__.get(name), Beside):
+        setattr(Context, name, Beside(name))
+
+
+attach(DECISION_ATTR)
+attach(SLOT_ATTR)
 
 
 def call_body(task: Any, body: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
