@@ -4,9 +4,11 @@ point, and the demo, against private redis-servers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,6 +362,28 @@ def test_the_demo_verdict_is_by_starts_and_says_by_how_much_and_why() -> None:
         "the shared limit held: no window saw more task starts than the limit",
     )
     assert not Report(3, 2, rate, 2, 2, 1.1, 1.0, 6, 2, runs[1:]).verdict()[0]
+
+
+def test_a_demo_whose_tasks_all_fit_one_window_says_so_rather_than_a_ratio() -> None:
+    from celery_ratelimit._tools.demo import Report
+
+    report = Report(5, 5, Rate.parse("10/s"), 5, 5, 0.02, 0.0, 8, 0, [])
+    line = next(one for one in report.lines() if one.startswith("drain time / ideal"))
+    assert line.endswith("0.02s / 0.00s (the limit lets every task start at once)"), line
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is not None, reason="needs matplotlib absent"
+)
+def test_demo_plot_without_matplotlib_is_refused_before_anything_starts() -> None:
+    started = time.monotonic()
+    result = run(
+        sys.executable, "-m", "celery_ratelimit", "demo", "--tasks", "20", "--plot", "x.png",
+        env={}, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "--plot needs matplotlib: pip install matplotlib" in result.stderr
+    assert "sending" not in result.stdout and time.monotonic() - started < 30
 
 
 def test_status_and_explain_show_running_bodies_waiters_and_a_pause(

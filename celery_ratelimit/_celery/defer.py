@@ -88,8 +88,9 @@ def defer(check: Check, d: Deferral) -> str | None:
         if max_deferrals is not None and denials >= max_deferrals:
             _give_back(check, token)
             raise RateLimitExceeded(
-                f"{task.name}[{request.id}] was deferred {denials} times for want of "
-                f"budget (ratelimit_max_deferrals={max_deferrals}); giving up: {d.reason}"
+                f"{task.name}[{request.id}] was deferred {denials} "
+                f"time{'s' * (denials != 1)} for want of budget "
+                f"(ratelimit_max_deferrals={max_deferrals}); giving up: {d.reason}"
             )
         denials += 1
     # the bodies running beside it first (green pools); its slot stays where it was

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from .._celery.park import park_calls
 from .._engine.limit import Limit
@@ -78,7 +78,11 @@ class Report:
 
     def lines(self) -> list[str]:
         calls = self.limiter_calls / max(self.executed, 1)
-        ratio = self.drain_seconds / self.ideal_seconds if self.ideal_seconds else float("nan")
+        ratio = (
+            f"= {self.drain_seconds / self.ideal_seconds:.3f}"
+            if self.ideal_seconds
+            else "(the limit lets every task start at once)"
+        )
         return [
             f"tasks sent / executed          {self.tasks} / {self.executed}",
             f"limit                          {self.rate.limit} per {self.rate.window:g}s, "
@@ -90,7 +94,7 @@ class Report:
             *self._pace_lines(),
             f"latest start after its grant   {self.max_lateness * 1000:.1f} ms",
             f"drain time / ideal             {self.drain_seconds:.2f}s / "
-            f"{self.ideal_seconds:.2f}s = {ratio:.3f}",
+            f"{self.ideal_seconds:.2f}s {ratio}",
             f"  the ideal: {ideal_why(self.tasks, self.rate, self.burst)}",
             f"limiter calls per task         {calls:.2f}  ({self.deferrals} deferrals in all)",
         ]
@@ -284,10 +288,12 @@ class Demo:
                 server.close()
 
 
-def plot(report: Report, path: str) -> None:
-    """Executions per window over time, with the limit as a line, and the starts over
-    time, each a step (needs matplotlib): a window lets the whole limit start at once, a
-    pace spreads the starts evenly."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files.
+
+    Raises:
+        SystemExit: matplotlib is not installed (checked before the demo starts).
+    """
     try:
         import matplotlib
 
@@ -295,6 +301,14 @@ def plot(report: Report, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from exc
+    return plt
+
+
+def plot(report: Report, path: str) -> None:
+    """Executions per window over time, with the limit as a line, and the starts over
+    time, each a step (needs matplotlib): a window lets the whole limit start at once, a
+    pace spreads the starts evenly."""
+    plt = _pyplot()
     window = report.rate.window_us
     xs, ys_g = windows_over_time([r[1] for r in report.runs], window)
     xs_s, ys_s = windows_over_time([r[0] for r in report.runs], window)
@@ -335,6 +349,8 @@ def main(
     """
     parsed = Rate.parse(rate)
     Limit(parsed, burst=burst)  # a bad burst is refused before anything starts
+    if plot_path:
+        _pyplot()  # and a plot that could not be drawn
     out = sys.stdout
 
     def interrupt(*_: object) -> None:
