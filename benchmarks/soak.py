@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from typing import Any
 from celery import Celery
 
 from benchmarks.soak_app import LEASE
-from benchmarks.soak_check import Record, broker_leftovers, by_class, held, judge
+from benchmarks.soak_check import Record, broker_leftovers, by_class, held, judge, queued_ids
 from benchmarks.soak_faults import NODE_FAULTS, Fault, PrivateRabbit, RedisBox, schedule
 from benchmarks.soak_nodes import APP, NODES, Supervisor, say
 from tests.upstream import Upstream
@@ -187,6 +188,7 @@ class Soak:
             }
             supervisor = Supervisor(self.workdir, env, self.t0)
             producer = Celery("soak-producer", broker=broker)
+            queued: frozenset[str] = frozenset()  # what the broker holds at the end
             producer.conf.broker_connection_retry_on_startup = True
             try:
                 supervisor.start()
@@ -207,19 +209,26 @@ class Soak:
                 time.sleep(LEASE + 7)  # past every window, lease and reservation
                 client = (self.boxes.get("limiter") or self.boxes["broker"]).client()
                 left = held(client, self.prefix)
+                if self.rabbit is None:
+                    with self.boxes["broker"].client() as broker_client:
+                        queued = queued_ids(broker_client)
                 supervisor.stop(producer)
             finally:
                 supervisor.quiet()
                 for node in supervisor.nodes.values():
                     node.stop()
                 producer.close()
-                for box in self.boxes.values():
-                    box.close(keep=self.workdir if self.keep else None)
+                for name, box in self.boxes.items():
+                    # the broker's AOF is read by the verdict (soak_check.popped_unseen)
+                    box.close(keep=self.workdir if self.keep or name == "broker" else None)
                 if self.rabbit is not None:
                     self.rabbit.close()
         self.record.read()
         kills = supervisor.kills if supervisor.gap else []
-        verdict = judge(self.sent, self.record, kills, self.workdir, supervisor.gap)
+        aof = self.workdir / "redis-broker" if self.rabbit is None else None
+        verdict = judge(self.sent, self.record, kills, self.workdir, supervisor.gap, aof, queued)
+        if aof is not None and not self.keep:
+            shutil.rmtree(aof, ignore_errors=True)
         for line in verdict.details:
             print(f"  {line}")
         for line in left:

@@ -99,7 +99,13 @@ class Verdict:
 
 
 def judge(
-    sent: dict[str, float], record: Record, kills: list[float], logs: Path, popped: bool = True
+    sent: dict[str, float],
+    record: Record,
+    kills: list[float],
+    logs: Path,
+    popped: bool = True,
+    aof: Path | None = None,
+    queued: frozenset[str] = frozenset(),
 ) -> Verdict:
     """Every task ran (at least once); no window started more than its limit; no more
     bodies at once than a ``Concurrency`` allows; every run had a decision.
@@ -116,9 +122,15 @@ def judge(
     no node took in after. So is a task whose neighbours in the broker's FIFO list (the
     messages handed over just before and just after its last hand-off) were taken in
     while a node lost its broker connection or was killed -9 (within :data:`LATE` s):
-    it was popped then, on a connection that did not read it (:class:`Fifo`). Every
-    other missing task is lost. ``popped``: the broker is a Redis one (a RabbitMQ
-    broker gives an unacknowledged message back whatever became of its consumer)."""
+    it was popped then, on a connection that did not read it (:class:`Fifo`). So, last,
+    is a task whose message the Redis broker's own log (``aof``: its append-only file)
+    shows pushed onto a queue (sent, deferred, parked copy published, or given back by a
+    node's shutdown) and never recorded as delivered after (kombu's ``unacked`` hash)
+    and not in the broker at the end (``queued``): popped by a ``BRPOP`` whose reply no
+    consumer took in, whichever fault cut it (:func:`popped_unseen`; nothing of this
+    library pops a broker's queue). Every other missing task is lost. ``popped``: the
+    broker is a Redis one (a RabbitMQ broker gives an unacknowledged message back
+    whatever became of its consumer)."""
     ids = set(sent)
     details = []
     over = 0
@@ -184,6 +196,17 @@ def judge(
         gap_at[i] = min(w for w, _ in fifo.lost_at if span[1] - LATE <= w <= span[2] + LATE)
     gap |= cut
     lost -= cut
+    unseen = popped_unseen(aof, lost) - queued if popped and aof is not None and lost else set()
+    if unseen:
+        details.append(
+            f"kombu: {len(unseen)} popped from the broker's queue and never delivered "
+            f"(its AOF: pushed, then no unacked record): {sorted(unseen)}"
+        )
+        details += fifo.trace(sorted(unseen)[:10])
+        for i in unseen:
+            gap_at[i] = max([*fifo.handed.get(i, []), *fifo.receipts.get(i, []), sent.get(i, 0.0)])
+    gap |= unseen
+    lost -= unseen
     if lost:
         # a mover's line for each parked copy it published (celery_ratelimit/_celery/park.py)
         moved = lost & set(published)
@@ -299,6 +322,83 @@ def _gap_causes(ordered: list[tuple[float, Any]], gap_at: dict[str, float]) -> C
         near = [f.kind for when, f in ordered if when - 1.0 <= at <= when + f.hold + CAUSE]
         lost[near[-1] if near else "none found"] += 1
     return lost
+
+
+#: the commands of a Redis broker's AOF that push a message onto a queue, and record
+#: one delivered (kombu's QoS: ``HSET unacked <tag> <message>``)
+_PUSHES = (b"LPUSH", b"RPUSH")
+_DELIVERED = b"HSET"
+
+
+def _aof_files(data_dir: Path) -> list[Path]:
+    """The append-only files of a server's data directory, in order: Redis 7's
+    ``appendonlydir`` (its base, then its increments; an RDB base is empty, the soak's
+    servers never rewrite), or 6.2's one ``appendonly.aof``."""
+    folder = data_dir / "appendonlydir"
+    manifest = folder / "appendonly.aof.manifest"
+    if manifest.exists():
+        names = [line.split()[1] for line in manifest.read_text().split("\n") if line]
+        return [folder / name for name in names if name.endswith(".aof")]
+    return [data_dir / "appendonly.aof"] if (data_dir / "appendonly.aof").exists() else []
+
+
+def _aof_commands(files: list[Path]) -> Any:
+    """Each command (a list of its arguments, bytes) of the append-only ``files``."""
+    for path in files:
+        data = path.read_bytes()
+        i, end = 0, len(data)
+        while i < end:
+            if data[i : i + 1] != b"*":  # an annotation line
+                i = data.index(b"\n", i) + 1
+                continue
+            j = data.index(b"\r\n", i)
+            count, i = int(data[i + 1 : j]), j + 2
+            args = []
+            for _ in range(count):
+                j = data.index(b"\r\n", i)
+                size, i = int(data[i + 1 : j]), j + 2
+                args.append(data[i : i + size])
+                i += size + 2
+            yield args
+
+
+def popped_unseen(aof: Path, ids: set[str]) -> set[str]:
+    """Those of ``ids`` whose message the broker's AOF (in its data directory ``aof``)
+    shows pushed onto a queue with no delivery recorded after the last push."""
+    files = _aof_files(aof)
+    if not ids or not files:
+        return set()
+    wanted = re.compile("|".join(re.escape(i) for i in sorted(ids)).encode())
+    pushed: dict[str, int] = {}
+    delivered: dict[str, int] = {}
+    for n, args in enumerate(_aof_commands(files)):
+        name = args[0].upper() if args else b""
+        if name not in _PUSHES and not (name == _DELIVERED and args[1:2] == [b"unacked"]):
+            continue
+        for match in wanted.finditer(b" ".join(args[1:])):
+            task_id = match.group().decode()
+            (pushed if name in _PUSHES else delivered)[task_id] = n
+    return {i for i, n in pushed.items() if delivered.get(i, -1) < n}
+
+
+def queued_ids(client: Any) -> frozenset[str]:
+    """The ids of the task messages a Redis broker still holds: in a queue or unacked."""
+    found: set[str] = set()
+    for raw in client.scan_iter(count=500):
+        key, kind = raw.decode(), client.type(raw).decode()
+        if kind == "list" and not key.startswith("_kombu"):
+            payloads = client.lrange(raw, 0, -1)
+        elif key == "unacked" and kind == "hash":
+            payloads = client.hvals(raw)
+        else:
+            continue
+        for payload in payloads:
+            found.update(_MESSAGE_ID.findall(payload.decode("utf-8", "replace")))
+    return frozenset(found)
+
+
+#: a task message's id in its headers (Celery's message protocol 2)
+_MESSAGE_ID = re.compile(r'[{,] ?"id": "([0-9a-f-]{36})"')
 
 
 class Fifo:

@@ -1,20 +1,19 @@
 -- acquire.lua — the plain decision: count a call now against every limit of its key,
--- all or nothing, or reserve it; for a call whose limits are all unpaced sliding logs,
--- counted at cost 1, with no lead. Everything else (below: {8}) is acquire_full.lua's,
--- which decides the same calls with the same data (lib/log.lua).
+-- all or nothing, or reserve it; for unpaced sliding logs and no lead. The rest ({8}) is
+-- acquire_full.lua's, which decides the same calls with the same data (lib/log.lua).
 --
 -- KEYS  the log of each limit (n), its pending set (n), its key's settings hash (n)
 -- ARGV  1 token (8 bytes), 2 flag, 3 n, 4-5 "0" "0", 6 horizon µs, 7 guard µs,
---       8 hold µs, 9 lead "0", then (limit, window µs, cost 1: not read, burst "0") of
---       each limit: as lib/call.lua's (scripts.Shape.plain)
+--       8 hold µs, 9 lead "0", then (limit, window µs, cost, burst "0") of each limit:
+--       as lib/call.lua's (scripts.Shape.plain)
 -- flag  "now": count it now, or deny (status 1 or 0); "reserve": count it now, else at
 --       the earliest instant it fits within the horizon (status 2, the slot kept in the
 --       pending set; 6 when within `hold`), else deny; "peek": as "now", writing nothing
 -- Reply {status, remaining, retry_after, reset_after, denied_by, at} (lib/call.lua), or
---       {8}: send this call to acquire_full.lua (pace, lead, weights, an upstream's
---       observed budget, more than PRUNE_BATCH expired entries, and in a full window a
---       slot abandoned or reservations ahead of a paused key or of one of several
---       limits); only expired entries were removed
+--       {8}: send this call to acquire_full.lua (pace, lead, entries of another weight,
+--       an upstream's observed budget, more than PRUNE_BATCH expired entries, and in a
+--       full window a slot abandoned or reservations ahead of a paused key or of one of
+--       several limits); only expired entries were removed
 
 --- @include "lib/fit.lua"
 
@@ -34,13 +33,13 @@ local guard = tonumber(ARGV[7])
 -- force replaces the limit of its window, or of any window for its key's only limit),
 -- then its log's meta members ("" total, "+" newest, "=" unit, "~" expiry: lib/log.lua),
 -- its expired entries pruned (counted only, on a peek; more than PRUNE_BATCH: {8});
--- then whether the call fits. A limit's state is kept by position (KEY .. DIRTY).
-local KEY, LIMIT, WINDOW, TOTAL, NEWEST, EXPIRY, DIRTY = 1, 2, 3, 4, 5, 6, 7
+-- then whether the call fits. A limit's state is kept by position (KEY .. MEMBER).
+local KEY, LIMIT, WINDOW, TOTAL, NEWEST, EXPIRY, DIRTY, COST, MEMBER = 1, 2, 3, 4, 5, 6, 7, 8, 9
 local ks, gate, s, status, at, denied_by = {}, now, nil, 1, now, 0
 for i = 1, n do
   local a = 6 + 4 * i
   if ARGV[a + 3] ~= '0' then status = 8 break end  -- a paced limit
-  local limit, window = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local limit, window, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local hash = KEYS[2 * n + i]
   if i == 1 or hash ~= KEYS[2 * n + i - 1] then s = call('HMGET', hash, 'pause', 'rate', 'up') end
   if s[3] then status = 8 break end  -- an upstream's observed budget
@@ -53,7 +52,7 @@ for i = 1, n do
         if j ~= i and KEYS[2 * n + j] == hash then alone = false end
       end
       if tonumber(w) == window or alone then
-        limit, window = math.max(tonumber(l), 1), tonumber(w)
+        limit, window = math.max(tonumber(l), cost), tonumber(w)
       end
     end
   end
@@ -66,12 +65,12 @@ for i = 1, n do
   local total, newest, expiry, dirty = tonumber(m[1] or 0), -tonumber(m[2] or 0),
     -tonumber(m[4] or 0), false
   if total > 0 then
-    if tonumber(m[3]) ~= 1 then status = 8 break end  -- weighted entries
+    if tonumber(m[3]) ~= cost then status = 8 break end  -- entries of another weight
     local cutoff, gone = now - window, 0
-    if newest <= cutoff and total <= PRUNE_BATCH then
+    if newest <= cutoff and total <= PRUNE_BATCH * cost then
       if write then call('DEL', key) end
       total, newest, expiry = 0, 0, 0
-    elseif write and total <= PRUNE_BATCH then
+    elseif write and total <= PRUNE_BATCH * cost then
       gone = call('ZREMRANGEBYSCORE', key, ENTRY_FLOOR, cutoff)
       dirty = gone > 0
     else
@@ -82,11 +81,12 @@ for i = 1, n do
         dirty = true
       end
     end
-    total = total - gone
+    total = total - gone * cost
     if total < 0 then total = 0 end
   end
-  ks[i] = {key, limit, window, total, newest, expiry, dirty}
-  if total + 1 > limit then
+  ks[i] = {key, limit, window, total, newest, expiry, dirty, cost,
+    cost == 1 and token or token .. '.' .. cost}
+  if total + cost > limit then
     -- full. acquire_full.lua's: reservations ahead of a paused key or of one of several
     -- limits (placed where they fit all: lib/log_search.lua, logs_place), and a slot
     -- abandoned in the window (it may give room)
@@ -96,13 +96,14 @@ for i = 1, n do
       status = 8
       break
     end
-    -- the earliest instant one entry has left: the (total + 1 - limit)-th entry's,
-    -- found by rank (meta members rank first); every instant from it fits. With
-    -- reservations ahead, a hole in their line may come first (lib/fit.lua)
-    local nth = call('ZCOUNT', key, '-inf', string.format('%.0f', now - window)) + total - limit
+    -- the earliest instant enough entries have left: the ceil((total + cost - limit) /
+    -- cost)-th entry's, by rank (meta members rank first); every instant from it fits.
+    -- With reservations ahead, a hole in their line may come first (lib/fit.lua)
+    local nth = call('ZCOUNT', key, '-inf', string.format('%.0f', now - window))
+      + math.ceil((total + cost - limit) / cost) - 1
     local row = call('ZRANGE', key, nth, nth, 'WITHSCORES')
     local free = row[2] and tonumber(row[2]) + window or now + window
-    if newest > now then free = fit_at(key, now, window, limit - 1, 1, counted_room, free) end
+    if newest > now then free = fit_at(key, now, window, limit - cost, cost, counted_room, free) end
     if free > at then at, denied_by = free, i end
   end
 end
@@ -121,20 +122,19 @@ if status ~= 8 then
   end
 end
 
--- the call's entry at `at` (and, for a reservation, its slot) with the meta members in
--- the same ZADD (the key's expiry extended only when this entry outlives it), or the
--- running totals that pruning changed written back; then the reply
+-- the call's entry at `at` (a reservation's slot too) with the meta members in one ZADD
+-- (the expiry extended only when the entry outlives it), or pruned totals written back
 local remaining, reset, counted = nil, 0, write and status ~= 0 and status ~= 8
 for i = 1, #ks do
   local k = ks[i]
-  local key, window, total, newest = k[KEY], k[WINDOW], k[TOTAL], k[NEWEST]
+  local key, window, total, newest, cost = k[KEY], k[WINDOW], k[TOTAL], k[NEWEST], k[COST]
   if counted then
     if total > 0 and at > newest and at + window <= k[EXPIRY] then
       -- the usual entry: one more of the one weight, the newest
-      call('ZADD', key, at, token, total + 1, '', -at, '+')
+      call('ZADD', key, at, k[MEMBER], total + cost, '', -at, '+')
     else
-      local z = {at, token, total + 1, ''}
-      if total == 0 then z[5], z[6] = 1, '=' end
+      local z = {at, k[MEMBER], total + cost, ''}
+      if total == 0 then z[5], z[6] = cost, '=' end
       if at > newest then z[#z + 1], z[#z + 2] = -at, '+' end
       if at + window > k[EXPIRY] then
         local ttl = math.ceil((at + window - now) / 1000) + TTL_MARGIN_MS
@@ -148,11 +148,11 @@ for i = 1, #ks do
     if status == 2 then
       local pending = KEYS[n + i]
       call('ZREMRANGEBYSCORE', pending, '-inf', now - window)
-      call('ZADD', pending, at, token)
+      call('ZADD', pending, at, k[MEMBER])
       local ttl = math.ceil((at + window - now) / 1000) + TTL_MARGIN_MS
       if call('PTTL', pending) < ttl then call('PEXPIRE', pending, ttl) end
     end
-    total = total + 1
+    total = total + cost
     if at > newest then newest = at end
   elseif write and k[DIRTY] then
     call('ZADD', key, total, '')

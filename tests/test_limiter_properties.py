@@ -141,21 +141,24 @@ operation = st.tuples(
     st.integers(1, LIMIT),  # cost
     st.integers(0, 40),  # milliseconds to wait before the call
     st.booleans(),  # reserve when denied
-    st.booleans(),  # a cost-1 call decided by acquire_full.lua rather than acquire.lua
+    st.booleans(),  # a call decided by acquire_full.lua rather than acquire.lua
 )
 
 
-@pytest.mark.parametrize("uniform", [True, False], ids=["cost-1", "weighted"])
+@pytest.mark.parametrize(
+    "weight", [1, 3, 4, None], ids=["cost-1", "one-weight", "a-weight-not-dividing", "weighted"]
+)
 @against_redis
 @given(ops=st.lists(operation, min_size=1, max_size=14))
 def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     limiter: Limiter,
     redis_client: redis.Redis,
-    uniform: bool,
+    weight: int | None,
     ops: list[tuple[int, int, bool, bool]],
 ) -> None:
-    """Cost 1: the plain acquire.lua decides, or acquire_full.lua (which every weighted
-    call gets) on the same log, in any order: both keep the one model."""
+    """Every call of one weight (1, 3, or 4 of 6), or of any: the plain acquire.lua decides (and
+    hands a call to acquire_full.lua where entries of another weight are stored), or
+    acquire_full.lua on the same log, in any order: both keep the one model."""
     name = f"model-{next(_examples)}"
     key = limiter.keys_for(name, RATE)[0]
     log: list[tuple[int, int]] = []
@@ -163,7 +166,7 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     slots: list[tuple[int, int]] = []
     plain = limiter._scripts["acquire"]
     for cost, wait_ms, reserve, full in ops:
-        cost = 1 if uniform else cost
+        cost = weight or cost
         time.sleep(wait_ms / 1000)
         limiter._scripts["acquire"] = limiter._scripts[ACQUIRE_FULL] if full else plain
         try:

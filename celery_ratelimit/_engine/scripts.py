@@ -292,10 +292,9 @@ class Shape:
 
     @cached_property
     def plain(self) -> bool:
-        """Sliding limits only, unpaced, at cost 1, with no lead: a call the plain
-        ``acquire.lua`` decides (and hands to ``acquire_full.lua`` only in the cases its
-        header names)."""
-        return not self.gated and not self.paced and self.lead == 0 and set(self.costs) <= {1}
+        """Sliding limits only, unpaced, with no lead: a call the plain ``acquire.lua``
+        decides (and hands to ``acquire_full.lua`` only in the cases its header names)."""
+        return not self.gated and not self.paced and self.lead == 0
 
     @cached_property
     def args(self) -> tuple[int, ...]:
