@@ -223,6 +223,9 @@ def test_install_limits_plain_tasks_declared_before_and_after_it(app: Celery) ->
 
     assert limits(early) == (Limit("1/s"),)
     assert limits(late) == (Limit("1/s"),)
+    # one glob, two tasks: each its own budget, under its own name (README, "a glob")
+    keys = {plan_for(app.tasks[t.name]).resolve((), {}).keys for t in (early, late)}  # type: ignore[union-attr]
+    assert keys == {("proj.early",), ("proj.late",)}
     assert limits(exact) == (Limit("2/s", key="x"),)
     # the task's own limits, base class option or decorator, win over the rules
     assert limits(own) == (Limit("7/s"),)
