@@ -263,8 +263,7 @@ class Soak:
         """Wait until idle, nothing changed for :data:`STALL` s (with no parked copy due
         later), or ``--drain`` seconds have passed (by default 600, or one and a half
         times the run when that is longer: the backlog left when the faults end grows
-        with the run, and a 30-minute RabbitMQ form drains its last 7,000 tasks at 5-7 a
-        second beside another soak)."""
+        with the run, and drains below the limits' rate on a busy machine)."""
         longest = self.args.drain
         if longest is None:
             longest = max(600.0, 1.5 * 60 * self.args.minutes)
