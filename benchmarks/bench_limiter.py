@@ -86,7 +86,9 @@ return {1, 0, 0, 0, 0, now}
 #: Exactly the commands ours sends for a plain decision that never binds, and nothing
 #: else: the settings, the log's meta members, a count of the expired entries when the
 #: log holds more than 500 (pruning is bounded to 500 a call), the prune, the entry.
-#: Sent the same KEYS and ARGV as ours (lua/acquire.lua), so Redis converts as many.
+#: Sent the same KEYS and ARGV as ours (lua/acquire.lua), so Redis converts as many, on
+#: a log holding the same meta members (its first entry writes the unit and the expiry
+#: too: ZMSCORE then formats as many scores as it does for ours).
 OURS_BARE_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -95,12 +97,19 @@ local meta = redis.call('ZMSCORE', KEYS[1], '', '+', '=', '~')
 local total, cutoff = tonumber(meta[1]) or 0, now - tonumber(ARGV[11])
 if total > 500 then redis.call('ZCOUNT', KEYS[1], 1e13, cutoff) end
 local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], 1e13, cutoff)
-redis.call('ZADD', KEYS[1], now, ARGV[1], total - gone + 1, '', -now, '+')
+if total == 0 then
+  redis.call('ZADD', KEYS[1], now, ARGV[1], 1, '', -now, '+', 1, '=', -(now + 3.6e9), '~')
+else
+  redis.call('ZADD', KEYS[1], now, ARGV[1], total - gone + 1, '', -now, '+')
+end
 return {1, 0, 0, 0, 0, now}
 """
 ROUNDS = 15
 ANCHOR = "anchor: limits moving window hit"
 CALLS = 2_000
+#: Calls of one variant in a row in (b2): short enough for every variant to see the same
+#: moments, long enough for each to run as it does alone (its script warm).
+BATCH = 100
 
 
 def _table(title: str, rows: dict[str, Any], line: Callable[[str, Any], str]) -> None:
@@ -320,37 +329,34 @@ def server_side(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
 
 def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     """(b2): a plain decision that never binds, beside the bare script of exactly its
-    commands (same KEYS and ARGV) and `limits`' moving window, in the same interleaved
-    rounds, on a log of more than 500 entries (200 ms window: pruning counts first)
-    and of fewer (10 ms)."""
+    commands (same KEYS and ARGV) and `limits`' moving window, on a log of more than 500
+    entries (200 ms window: pruning counts first) and of fewer (10 ms).
+
+    Each call is timed by Redis itself (``SLOWLOG`` at 0 µs: the time of each command,
+    its script's commands included), in batches of ``BATCH`` calls taking turns in an
+    order that rotates each round, so that every variant sees the same moments of the
+    machine and each place in the turn: the median of each variant's per-round mean."""
     client = server.client()
     limiter = Limiter(client, prefix="bench-b2")
     bare = client.script_load(OURS_BARE_SCRIPT)
     function = _as_function(client, "acquire")
     ops: dict[str, Callable[[], object]] = {}
-    logs: dict[str, str] = {}  # each log starts afresh each round (a small one as a listpack)
     for window in ("200ms", "10ms"):
         limits = [Limit(f"1000000000/{window}")]
         key = f"plain{window}"
         ops[f"ours, {window}"] = lambda key=key, limits=limits: limiter.acquire(key, limits)
-        logs[f"ours, {window}"] = limiter.keys_for(key, limits)[0]
+        prepared = limiter._prepare_acquire(limits)
+        assert prepared is not None
         if function is not None:  # the same script as a function: what FCALL would save
-            prepared = limiter._prepare_acquire(limits)
-            assert prepared is not None
             sends = limiter._prepared((f"fcall{window}",), prepared.shape)
             ops[f"ours as FCALL, {window}"] = lambda sends=sends, more=prepared.arguments: (
                 client.execute_command(
                     "FCALL", function, len(sends), *sends, os.urandom(8), "now", *more
                 )
             )
-            logs[f"ours as FCALL, {window}"] = sends[0]
-        keys = [*limiter.keys_for(f"bare{window}", limits)]
-        keys = [keys[0], keys[0] + ":r", f"bench-b2:{{bare{window}}}:settings"]
-        logs[f"bare, {window}"] = keys[0]
-        window_us = limits[0].fixed_rate.window_us
-        args = ["now", 1, 0, 0, 3_600_000_000, 0, 0, 0, 1_000_000_000, window_us, 1, 0]
-        ops[f"bare, {window}"] = lambda keys=keys, args=args: client.evalsha(
-            bare, 3, *keys, os.urandom(8), *args
+        keys = limiter._prepared((f"bare{window}",), prepared.shape)
+        ops[f"bare, {window}"] = lambda keys=keys, args=prepared.arguments: client.evalsha(
+            bare, len(keys), *keys, os.urandom(8), "now", *args
         )
     try:
         from limits import parse
@@ -361,20 +367,33 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
     else:
         moving, item = MovingWindowRateLimiter(RedisStorage(server.url)), parse("1000000000/second")
         ops["limits moving window hit"] = lambda: moving.hit(item, "bench-b2")
-    for fn in ops.values():  # fill every window, warm the scripts
-        deadline = time.monotonic() + 1.2
-        while time.monotonic() < deadline:
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(rounds):
-        for name, fn in ops.items():
-            if name in logs:
-                client.delete(logs[name])
-            client.config_resetstat()
-            for _ in range(calls):
-                fn()
-            command = "fcall" if "FCALL" in name else "evalsha"
-            samples[name].append(_evalsha_usec(client, command)[0])
+    names = list(ops)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    client.config_set("slowlog-max-len", len(names) * calls * 2)
+    try:
+        for name in names:  # fill every window, warm the scripts
+            deadline = time.monotonic() + 1.2
+            while time.monotonic() < deadline:
+                ops[name]()
+        for turn in range(rounds):
+            order = names[turn % len(names) :] + names[: turn % len(names)]
+            client.slowlog_reset()
+            client.config_set("slowlog-log-slower-than", 0)
+            for _ in range(calls // BATCH):
+                for name in order:
+                    for _ in range(BATCH):
+                        ops[name]()
+            client.config_set("slowlog-log-slower-than", 10_000)
+            durations: dict[str, list[int]] = {name: [] for name in names}
+            for entry in client.slowlog_get(len(names) * calls * 2):
+                name = _slowlog_variant(entry["command"])
+                if name is not None:
+                    durations[name].append(entry["duration"])
+            for name in names:
+                samples[name].append(statistics.mean(durations[name]))
+    finally:
+        client.config_set("slowlog-log-slower-than", 10_000)
+        client.slowlog_reset()
     out: dict[str, Any] = {
         name: {"usec_per_call": round(statistics.median(v), 2)} for name, v in samples.items()
     }
@@ -389,6 +408,25 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
             out[f"ours / limits, {window}"] = round(ours / anchor, 3)
     client.close()
     return out
+
+
+def _slowlog_variant(command: bytes) -> str | None:
+    """The (b2) variant a SLOWLOG entry's command line is a call of, by its first key."""
+    words = command.split()
+    if not words or words[0].upper() not in (b"EVALSHA", b"FCALL") or len(words) < 4:
+        return None
+    key = words[3].decode(errors="replace")
+    if key.startswith("LIMITS"):
+        return "limits moving window hit"
+    for window in ("200ms", "10ms"):
+        if key.endswith(window) or f"{window}}}" in key:
+            if "{fcall" in key:
+                return f"ours as FCALL, {window}"
+            if "{bare" in key:
+                return f"bare, {window}"
+            if "{plain" in key:
+                return f"ours, {window}"
+    return None
 
 
 def backlog(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
