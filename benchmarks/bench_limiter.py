@@ -86,7 +86,7 @@ return {1, 0, 0, 0, 0, now}
 #: Exactly the commands ours sends for a plain decision that never binds, and nothing
 #: else: the settings, the log's meta members, a count of the expired entries when the
 #: log holds more than 500 (pruning is bounded to 500 a call), the prune, the entry.
-#: Sent the same KEYS and ARGV as ours (lua/acquire.lua), so Redis converts as many, on
+#: Sent the same KEYS and ARGV as ours (lua/acquire_one.lua), so Redis converts as many, on
 #: a log holding the same meta members (its first entry writes the unit and the expiry
 #: too: ZMSCORE then formats as many scores as it does for ours).
 OURS_BARE_SCRIPT = """
@@ -339,7 +339,7 @@ def plain_beside_bare(server: RedisServer, rounds: int, calls: int) -> dict[str,
     client = server.client()
     limiter = Limiter(client, prefix="bench-b2")
     bare = client.script_load(OURS_BARE_SCRIPT)
-    function = _as_function(client, "acquire")
+    function = _as_function(client, "acquire_one")
     ops: dict[str, Callable[[], object]] = {}
     for window in ("200ms", "10ms"):
         limits = [Limit(f"1000000000/{window}")]

@@ -54,7 +54,7 @@ def lua_constant(script: str, name: str) -> float:
 
 def test_the_scripts_share_the_layouts_constants() -> None:
     full = ACQUIRE_FULL
-    for name in ("acquire", full):
+    for name in ("acquire_one", "acquire", full):
         assert lua_constant(name, "ENTRY_FLOOR") == ENTRY_FLOOR
         assert lua_constant(name, "PRUNE_BATCH") == lua_constant(full, "PRUNE_BATCH")
         assert lua_constant(name, "TTL_MARGIN_MS") == lua_constant(full, "TTL_MARGIN_MS")
@@ -62,6 +62,7 @@ def test_the_scripts_share_the_layouts_constants() -> None:
     members = ", ".join(f"'{m}'" for m in META_MEMBERS)
     assert f"redis.call('ZMSCORE', spec.key, {members})" in source(full)
     assert f"call('ZMSCORE', key, {members})" in source("acquire")
+    assert f"call('ZMSCORE', key, {members})" in source("acquire_one")
     fields = ", ".join(f"'{f}'" for f in COUNTER_FIELDS)
     assert f"redis.call('HMGET', spec.key, {fields})" in source("counter")
     assert f"return '{WINDOW_META}' .. string.format" in source("acquire_full+cal")
@@ -101,7 +102,7 @@ def test_every_script_compiles_and_the_plain_ones_load_first(limiter: Limiter) -
     client = limiter.client
     for name in NAMES:
         assert client.script_load(source(name)) == limiter._scripts[name].sha, name
-    assert "acquire_full+log" in PRELOADED
+    assert {"acquire_one", "acquire", "acquire_full+log"} <= set(PRELOADED)
     assert all(set(name.split("+")[1:]) <= {"log"} for name in PRELOADED)
 
 
@@ -130,8 +131,9 @@ def test_a_script_reads_no_name_it_does_not_define(name: str, tmp_path: Path) ->
 
 def test_a_call_runs_the_script_of_what_it_declares() -> None:
     plain, fair = shape((Limit("10/s"),), 1), True
-    assert plain.script("acquire") == "acquire"
-    assert shape((Limit("10/s"),), 2).script("acquire") == "acquire"  # weights: lib/log.lua's
+    assert plain.script("acquire") == "acquire_one"
+    assert shape((Limit("10/s"),), 2).script("acquire") == "acquire_one"  # any one weight
+    assert shape((Limit("10/s"), Limit("100/m")), 1).script("acquire") == "acquire"
     assert shape((Limit("10/s", burst=2),), 1).script("acquire") == "acquire_full+log+pace"
     day, two = Limit("10/d", align="UTC"), Concurrency(2)
     for limits, features in (
@@ -147,7 +149,7 @@ def test_a_call_runs_the_script_of_what_it_declares() -> None:
         for operation in ("start", "release"):
             assert call.script(operation) == operation + features
         plainly = features == "+log"  # at any cost: entries of another weight go on to full
-        assert call.script("acquire") == ("acquire" if plainly else "acquire_full" + features)
+        assert call.script("acquire") == ("acquire_one" if plainly else "acquire_full" + features)
         assert call.script("settle") == "settle" + features.replace("+conc", "")
         others = [one for one in limits if isinstance(one, Concurrency) or one.align]
         counter = shape((Limit("10/s", algorithm="counter"), *others), 1)
@@ -175,6 +177,8 @@ def test_an_aligned_key_reads_back_with_its_windows(limiter: Limiter) -> None:
     assert settings in source(ACQUIRE_FULL)
     lean = f"call('HMGET', hash, '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
     assert lean in source("acquire")
+    one = f"call('HMGET', KEYS[3], '{PAUSE_FIELD}', '{RATE_FIELD}', '{UP_FIELD}')"
+    assert one in source("acquire_one")
     assert f"'{UP_FIELD}', 1)" in source("observe")
     assert f"return '{SEEN_FIELD}' .. limit, '{EFF_FIELD}' .. limit" in source(ACQUIRE_FULL)
     assert f"'{EFF_FIELD}' .. string.match" in source("observe")

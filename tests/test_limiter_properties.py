@@ -141,7 +141,9 @@ operation = st.tuples(
     st.integers(1, LIMIT),  # cost
     st.integers(0, 40),  # milliseconds to wait before the call
     st.booleans(),  # reserve when denied
-    st.booleans(),  # a call decided by acquire_full.lua rather than acquire.lua
+    # the script that decides the call: the one-limit plain script, the plain script of
+    # several limits (given one), or the full one
+    st.sampled_from(["acquire_one", "acquire", ACQUIRE_FULL]),
 )
 
 
@@ -154,25 +156,26 @@ def test_the_log_decides_like_the_model_and_never_overfills_a_window(
     limiter: Limiter,
     redis_client: redis.Redis,
     weight: int | None,
-    ops: list[tuple[int, int, bool, bool]],
+    ops: list[tuple[int, int, bool, str]],
 ) -> None:
-    """Every call of one weight (1, 3, or 4 of 6), or of any: the plain acquire.lua decides (and
-    hands a call to acquire_full.lua where entries of another weight are stored), or
-    acquire_full.lua on the same log, in any order: both keep the one model."""
+    """Every call of one weight (1, 3, or 4 of 6), or of any: a plain script decides
+    (acquire_one.lua, the one-limit call's, or acquire.lua, which walks several limits;
+    each hands a call to acquire_full.lua where entries of another weight are stored), or
+    acquire_full.lua on the same log, in any order: all three keep the one model."""
     name = f"model-{next(_examples)}"
     key = limiter.keys_for(name, RATE)[0]
     log: list[tuple[int, int]] = []
     grants: list[tuple[int, int]] = []  # what started (no reservation is ever confirmed here)
     slots: list[tuple[int, int]] = []
-    plain = limiter._scripts["acquire"]
-    for cost, wait_ms, reserve, full in ops:
+    plain = limiter._scripts["acquire_one"]
+    for cost, wait_ms, reserve, script in ops:
         cost = weight or cost
         time.sleep(wait_ms / 1000)
-        limiter._scripts["acquire"] = limiter._scripts[ACQUIRE_FULL] if full else plain
+        limiter._scripts["acquire_one"] = limiter._scripts[script]
         try:
             d = limiter.acquire(name, RATE, cost=cost, reserve=reserve)
         finally:
-            limiter._scripts["acquire"] = plain
+            limiter._scripts["acquire_one"] = plain
         if d.allowed:
             now = us(d.at)
             if earliest_fit(log, now, cost) != now:

@@ -160,7 +160,7 @@ def test_a_paced_call_runs_a_script_composed_with_the_pace_and_sends_its_bursts(
     from celery_ratelimit._engine.scripts import shape, source
 
     plain = shape((Limit("10/s"),), 1)
-    assert plain.plain and plain.script("acquire") == "acquire"
+    assert plain.plain and plain.script("acquire") == "acquire_one"
     assert plain.arguments()[6:] == [0, 10, 1_000_000, 1, 0]  # lead, then the limit's four
     assert plain.script("start") == "start+log"
     paced = shape((Limit("10/s", burst=2), Limit("5/s", key="b")), 1)

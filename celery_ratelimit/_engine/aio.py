@@ -31,7 +31,7 @@ from .layout import (
 from .limit import CostSpec, KeySpec, LimitSpec, to_limits
 from .limiter import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SOCKET_TIMEOUT, REDIS_ERRORS
 from .rate import Rate
-from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PRELOADED, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PLAIN, PRELOADED, shape
 
 logger = logging.getLogger("celery_ratelimit")
 
@@ -244,7 +244,7 @@ class AsyncLimiter(LimiterBase):
             await self.check()
         try:
             reply = await self._scripts[call.script](keys=call.keys, args=call.args)
-            if call.script == "acquire" and reply[0] == FULL:
+            if call.script in PLAIN and reply[0] == FULL:
                 return await self._scripts[ACQUIRE_FULL](keys=call.keys, args=call.args)
             return reply
         except REDIS_ERRORS as exc:

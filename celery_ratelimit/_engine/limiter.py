@@ -16,7 +16,7 @@ from .exceptions import InvalidLimit, LimiterUnavailable
 from .failures import check_versions, not_redis_error
 from .layout import handoff_list, keys_of, stored_with
 from .limit import Concurrency, LimitSpec, to_limits
-from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PRELOADED, Prepared, shape
+from .scripts import ACQUIRE_FULL, DEFAULT_HORIZON, FULL, PLAIN, PRELOADED, Prepared, shape
 
 #: Client defaults: a hung or refused Redis costs a task at most about this long.
 DEFAULT_SOCKET_TIMEOUT = 2.0
@@ -436,6 +436,6 @@ class Limiter(KeyControls):
                 reply = script(keys=call.keys, args=call.args)  # loads the script, then runs it
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
-        if call.script == "acquire" and reply[0] == FULL:
+        if call.script in PLAIN and reply[0] == FULL:
             return self._script_reply(call._replace(script=ACQUIRE_FULL))
         return reply

@@ -1,8 +1,6 @@
--- lib/fit.lua — the first fit of a call in a sliding log (docs/timing.md, "Exact
--- windows"): the earliest s from `from` at which no window (t - w, t], t in [s, s + w),
--- holds more than `cap`. The windows to check end at s and at each entry in (s, s + w);
--- past a full one, the search goes on from where it has room. After FIT_STEPS windows,
--- `last`: the end of the line, from which every instant fits.
+-- lib/fit.lua — a call's first fit in a sliding log (docs/timing.md, "Exact windows"): the
+-- earliest s from `from` at which no window ending in [s, s + w) holds more than `cap`,
+-- checking those ending at s and at each entry after it; `last` after FIT_STEPS windows.
 
 local FIT_STEPS = 4
 
