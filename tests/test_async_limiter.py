@@ -126,3 +126,33 @@ def test_bad_input_and_a_stopped_redis_fail_as_the_sync_limiter_does() -> None:
             await lim.aclose()
 
     run(main())
+
+
+def test_a_script_flush_between_its_reload_and_its_run_loses_no_call(
+    redis_url: str, limiter: Limiter
+) -> None:
+    """As the sync limiter's: a SCRIPT FLUSH right after the reload that NOSCRIPT asked
+    for, and the call is still decided (by EVAL)."""
+
+    async def main() -> list[bool]:
+        lim = AsyncLimiter.from_url(redis_url, prefix=limiter.prefix)
+        try:
+            got = [(await lim.acquire("race", "100/m")).allowed]
+            load = lim.client.script_load
+
+            async def load_then_flush(script: str) -> str:
+                sha = await load(script)
+                limiter.client.script_flush()
+                return str(sha)
+
+            lim.client.script_load = load_then_flush  # type: ignore[method-assign]
+            for _ in range(2):
+                limiter.client.script_flush()
+                got.append((await lim.acquire("race", "100/m")).allowed)
+            return got
+        finally:
+            await lim.aclose()
+
+    assert run(main()) == [True] * 3
+    assert limiter.peek("race", "100/m").remaining == 97
+

@@ -342,6 +342,31 @@ def test_script_flush_mid_stream_reloads_the_script(
     assert limiter.peek("flush", rate).remaining == 60
 
 
+def test_a_script_flush_between_its_reload_and_its_run_loses_no_call(
+    limiter: Limiter, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOSCRIPT, the script loaded again, and another client's SCRIPT FLUSH before that
+    load is used (a soak's flushes met a reload once in 30 minutes, and the task failed):
+    the call is still decided, by EVAL, and so is a script besides the decision's."""
+    rate = Limit("100/m")
+    assert limiter.acquire("race", rate).allowed  # checked, its scripts loaded
+    load = limiter.client.script_load
+
+    def load_then_flush(script: str) -> str:
+        sha = load(script)
+        redis_client.script_flush()
+        return str(sha)
+
+    monkeypatch.setattr(limiter.client, "script_load", load_then_flush)
+    for _ in range(2):
+        redis_client.script_flush()
+        assert limiter.acquire("race", rate).allowed
+    assert total(redis_client, log_key(limiter, "race", rate)) == 3
+    redis_client.script_flush()
+    index, settings = f"{limiter.prefix}:index", f"{limiter.prefix}:{{race}}:settings"
+    assert limiter.run_script("index", [index], ["+inf", settings]) == 1
+
+
 def test_unreachable_redis_raises_limiter_unavailable() -> None:
     limiter = Limiter.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     with pytest.raises(LimiterUnavailable) as info:

@@ -15,7 +15,7 @@ import redis
 import redis.asyncio
 
 from .base import DEFAULT_PREFIX, LimiterBase, ScriptCall
-from .client import check_url
+from .client import arun_script, check_url
 from .decision import Decision
 from .exceptions import InvalidRedisURL
 from .failures import check_versions
@@ -243,9 +243,9 @@ class AsyncLimiter(LimiterBase):
         if not self._checked:
             await self.check()
         try:
-            reply = await self._scripts[call.script](keys=call.keys, args=call.args)
+            reply = await arun_script(self._scripts[call.script], call.keys, call.args)
             if call.script in PLAIN and reply[0] == FULL:
-                return await self._scripts[ACQUIRE_FULL](keys=call.keys, args=call.args)
+                return await arun_script(self._scripts[ACQUIRE_FULL], call.keys, call.args)
             return reply
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -291,3 +292,22 @@ def _exchange(conn: Any, args: tuple[Any, ...]) -> Any:
         # left a reply unread on the socket: the next caller must not read it
         conn.disconnect()
         raise
+
+
+def run_script(script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """The reply of a registered ``script`` (redis-py's ``Script``): ``EVALSHA``, and on
+    NOSCRIPT the script loaded and sent again, as redis-py does; when a ``SCRIPT FLUSH``
+    comes between that load and that call (NOSCRIPT again), ``EVAL`` with the whole
+    script, which loads and runs it in one command."""
+    try:
+        return script(keys=keys, args=args)
+    except redis.exceptions.NoScriptError:
+        return script.registered_client.eval(script.script, len(keys), *keys, *args)
+
+
+async def arun_script(script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """:func:`run_script` for redis.asyncio's scripts."""
+    try:
+        return await script(keys=keys, args=args)
+    except redis.exceptions.NoScriptError:
+        return await script.registered_client.eval(script.script, len(keys), *keys, *args)

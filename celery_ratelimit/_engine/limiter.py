@@ -9,7 +9,7 @@ from typing import Any
 import redis
 
 from .base import DEFAULT_PREFIX, KEY_CACHE_SIZE, ScriptCall
-from .client import HeldConnection, client_from_url
+from .client import HeldConnection, client_from_url, run_script
 from .controls import KeyControls
 from .decision import TOKEN_BYTES, Decision, parse_token, token_of
 from .exceptions import InvalidLimit, LimiterUnavailable
@@ -377,7 +377,7 @@ class Limiter(KeyControls):
         Raises:
             redis.RedisError: as the script's call raised it (see :meth:`translate`).
         """
-        return self._scripts[name](keys=keys, args=args)
+        return run_script(self._scripts[name], keys, args)
 
     def _prepare_acquire(
         self, limits: LimitSpec, cost: int | Sequence[int] = 1, **options: Any
@@ -433,7 +433,7 @@ class Limiter(KeyControls):
             try:
                 reply = self._send("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
             except redis.exceptions.NoScriptError:
-                reply = script(keys=call.keys, args=call.args)  # loads the script, then runs it
+                reply = run_script(script, call.keys, call.args)  # loads it, then runs it
         except REDIS_ERRORS as exc:
             raise self.translate(exc, "a rate-limit decision") from exc
         if call.script in PLAIN and reply[0] == FULL:
