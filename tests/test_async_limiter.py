@@ -155,4 +155,3 @@ def test_a_script_flush_between_its_reload_and_its_run_loses_no_call(
 
     assert run(main()) == [True] * 3
     assert limiter.peek("race", "100/m").remaining == 97
-
