@@ -70,7 +70,7 @@ COMPOSED: dict[str, tuple[tuple[str, ...], ...]] = {
 ACQUIRE_FULL = "acquire_full+log"
 #: The plain decisions: ``acquire_one.lua`` for a call of one limit, ``acquire.lua`` for
 #: several (the same decision without the walk over limits, which costs a one-limit
-#: call a tenth of its server time).
+#: call about 5% of its server time).
 PLAIN = ("acquire_one", "acquire")
 #: The entry scripts, by the name a limiter's calls use.
 NAMES = (
