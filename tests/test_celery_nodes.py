@@ -532,7 +532,7 @@ def test_a_call_option_header_overrides_the_settings_in_the_worker(nodes: Nodes)
 
 
 BACKLOG_RATE = "5/500ms"
-BACKLOG = 60  # 12x the limit
+BACKLOG = 40  # 8x the limit
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,7 @@
 """Scale-out as the README documents it, with real servers and real worker nodes.
 
 - The park under a paused Redis: the limiter on the broker's own redis-server (the
-  default: parking on), that server stopped (SIGSTOP) for 10 s in the middle of a
+  default: parking on), that server stopped (SIGSTOP) for 5 s in the middle of a
   drain. A mover's claim sent during the pause runs when the server goes on, after the
   mover gave up waiting for its reply: the mover takes those copies back at its next
   claim instead of leaving them to the 30 s claim lease.
@@ -32,7 +32,7 @@ from tests.redis_server import RedisServer
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
 
 LIMIT, WINDOW_US = 10, 1_000_000
-PAUSE = 10.0
+PAUSE = 5.0
 
 
 @pytest.fixture
