@@ -190,6 +190,10 @@ class Soak:
             producer = Celery("soak-producer", broker=broker)
             queued: frozenset[str] = frozenset()  # what the broker holds at the end
             producer.conf.broker_connection_retry_on_startup = True
+            if broker.startswith("amqp"):
+                # publisher confirms, as the nodes (soak_app): a send RabbitMQ does not
+                # confirm raises, and is sent again
+                producer.conf.broker_transport_options = {"confirm_publish": True}
             try:
                 supervisor.start()
                 self.t0 = supervisor.t0 = time.monotonic()

@@ -68,6 +68,10 @@ app.conf.update(
 )
 if os.environ.get("SOAK_REDIS"):
     app.conf.ratelimit_redis_url = os.environ["SOAK_REDIS"]
+if BROKER.startswith("amqp"):
+    # publisher confirms (README, "Failure modes"): a deferred copy RabbitMQ does not
+    # confirm fails its publish, and its original is requeued
+    app.conf.broker_transport_options = {"confirm_publish": True}
 if os.environ.get("SOAK_REDIS") and BROKER.startswith("redis"):
     # The park is off (it is on only on the broker's Redis): a deferred copy waits in
     # the Redis broker as an ETA message, which must not outlive the visibility timeout

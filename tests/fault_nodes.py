@@ -204,8 +204,13 @@ class Fleet:
         if self._producer is None:
             self._producer = Celery("producer", broker=self.broker_url)
             self._producer.conf.broker_connection_retry_on_startup = True
+            options: dict[str, Any] = {}
             if "master_name" in self.settings:
-                options = {"master_name": self.settings["master_name"]}
+                options["master_name"] = self.settings["master_name"]
+            if self.settings.get("confirm"):
+                # the nodes' publisher confirms (tests.apps.faults), the producer's too
+                options["confirm_publish"] = True
+            if options:
                 self._producer.conf.broker_transport_options = options
         return self._producer
 

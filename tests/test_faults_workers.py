@@ -43,6 +43,7 @@ def running_fleet(
     tmp_path: Path,
     request: pytest.FixtureRequest,
     broker_url: str | None = None,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[Fleet]:
     """A Fleet on the Redis broker, or on ``broker_url`` with a queue of its own (and
     deleted after); the runs are kept on Redis either way."""
@@ -55,6 +56,7 @@ def running_fleet(
         runs_url=f"redis://127.0.0.1:{broker.port}/3",
         prefix=prefix,
         queue=prefix if broker_url else "celery",
+        settings=settings or {},
     )
     yield fleet
     print_on_failure(request, fleet)
@@ -176,9 +178,11 @@ def test_killed_workers_lose_no_task_and_the_budget_holds(fleet: Fleet) -> None:
 def rabbitmq_fleet(
     servers: tuple[RedisServer, RedisServer], tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Fleet]:
-    """Nodes on the machine's RabbitMQ, on a queue of their own (runs kept on Redis)."""
+    """Nodes on the machine's RabbitMQ, on a queue of their own (runs kept on Redis),
+    with publisher confirms as the README advises (the nodes' deferred copies and the
+    producer's tasks; tests/test_celery_nodes.py runs RabbitMQ nodes without them)."""
     require_rabbitmq()
-    yield from running_fleet(servers, tmp_path, request, RABBITMQ_URL)
+    yield from running_fleet(servers, tmp_path, request, RABBITMQ_URL, {"confirm": "1"})
 
 
 @pytest.mark.rabbitmq
@@ -403,3 +407,67 @@ def test_a_copy_placed_anew_past_the_horizon_holds_no_slot_and_runs_once(
     assert grant[b] >= round((second.at + 1.5) * 1e6)
     assert max_grants(runs, 4_000_000) <= 2
     client.close()
+
+
+@pytest.mark.parametrize(
+    ("task", "fallback"),
+    [
+        ("limited", "rejecting it with requeue"),
+        ("limited_acks_early", "waiting 1.000s in this process instead"),
+    ],
+    ids=["acks-late", "acks-early"],
+)
+def test_a_deferred_copy_the_broker_refuses_is_not_lost(
+    servers: tuple[RedisServer, RedisServer],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    task: str,
+    fallback: str,
+) -> None:
+    """The README's "Publish of a deferred copy fails": the broker refuses the copy. The
+    nodes publish as a user of their own (``broker_write_url``), which loses ``LPUSH``
+    (kombu's publish) while the task's decision waits on a hung limiter Redis and then
+    defers it. An ``acks_late`` task is rejected with requeue (on the consumer's
+    connection, whose user keeps every command) and delivered again; an early-acked
+    one waits in its process. Either runs once the limiter is back."""
+    broker, limiter = servers
+    with broker.client() as client:
+        for user in ("reader", "writer"):
+            client.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all")
+    fleet = Fleet(
+        tmp_path,
+        broker_url=f"redis://reader:pw@127.0.0.1:{broker.port}/1",
+        limiter_url=limiter.url,
+        runs_url=f"redis://127.0.0.1:{broker.port}/3",
+        prefix=unique_prefix(request.node.name),
+        settings={
+            "rate": "10/s",
+            "error_countdown": "1",
+            "broker_write": f"redis://writer:pw@127.0.0.1:{broker.port}/1",
+        },
+    )
+    assert limiter.proc is not None
+    try:
+        fleet.add(1)
+        os.kill(limiter.proc.pid, signal.SIGSTOP)  # the decision hangs, then defers
+        task_id = fleet.send(task, 1)
+        deadline = time.monotonic() + 10
+        while not fleet.grep(f"[{task_id}] received"):
+            assert time.monotonic() < deadline, "the node did not receive the task"
+            time.sleep(0.05)
+        with broker.client() as client:
+            client.execute_command("ACL", "SETUSER", "writer", "-lpush")
+        deadline = time.monotonic() + 30
+        while not fleet.grep("could not re-publish"):
+            assert time.monotonic() < deadline, "the copy's publish did not fail"
+            time.sleep(0.1)
+        os.kill(limiter.proc.pid, signal.SIGCONT)
+        runs = fleet.wait_for_runs([task_id], 30)
+        [line] = fleet.grep("could not re-publish")
+        print(f"\n[{task}] {line.split('] ', 1)[-1]}")
+        assert fallback in line, line
+        assert tally([task_id], runs)["lost"] == 0, fleet.runs()
+    finally:
+        os.kill(limiter.proc.pid, signal.SIGCONT)
+        print_on_failure(request, fleet)
+        fleet.stop()

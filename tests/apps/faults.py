@@ -10,7 +10,9 @@ Configured from the environment by the test that starts the nodes:
   ``CRL_MAX_DEFERRALS``;
 - ``CRL_MASTER_NAME``: the Sentinel service of a ``sentinel://`` broker;
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
-  ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ).
+  ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ);
+  ``CRL_CONFIRM``: RabbitMQ publisher confirms (``confirm_publish``);
+  ``CRL_BROKER_WRITE``: the nodes' ``broker_write_url``.
 
 Tasks are ``acks_late`` with ``reject_on_worker_lost``: a killed worker's task is
 delivered again.
@@ -55,19 +57,30 @@ app.conf.update(
     # the third form of the key shapes the README teaches (``door_*``)
     ratelimit_rules={"tests.apps.faults.door_erp": Limit(RATE, key="{k}:erp")},
 )
+if os.environ.get("CRL_BROKER_WRITE"):
+    # publishes (a deferred copy's) on a connection of their own (Celery's
+    # broker_write_url), which a test can refuse while the consumer's still acks
+    app.conf.broker_write_url = os.environ["CRL_BROKER_WRITE"]
+_transport: dict[str, Any] = {}
 if os.environ.get("CRL_MASTER_NAME"):
     # a broker on a Sentinel group (sentinel://h:p;sentinel://h:p): kombu's service name
-    app.conf.broker_transport_options = {"master_name": os.environ["CRL_MASTER_NAME"]}
+    _transport["master_name"] = os.environ["CRL_MASTER_NAME"]
 if os.environ.get("CRL_VISIBILITY"):
     # a low visibility timeout, swept every second, redelivers a killed node's messages
     # soon; the sweep's lock expires soon too (a node killed holding it would otherwise
     # stop every sweep for the default 5 minutes)
-    app.conf.broker_transport_options = {
-        "visibility_timeout": float(os.environ["CRL_VISIBILITY"]),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-        "unacked_mutex_expire": 5,
-    }
+    _transport.update(
+        visibility_timeout=float(os.environ["CRL_VISIBILITY"]),
+        unacked_restore_interval=1,
+        unacked_restore_throttle=1,
+        unacked_mutex_expire=5,
+    )
+if os.environ.get("CRL_CONFIRM"):
+    # RabbitMQ publisher confirms (README, "Failure modes"): a deferred copy's publish
+    # returns once the broker has taken it, and raises if it refused it
+    _transport["confirm_publish"] = True
+if _transport:
+    app.conf.broker_transport_options = _transport
 _client: redis.Redis | None = None
 
 
@@ -129,6 +142,13 @@ def limited(self: Any, i: int) -> int:
     if SLEEP:
         time.sleep(SLEEP)
         record(self, i=i, done=True)
+    return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True, acks_late=False)
+def limited_acks_early(self: Any, i: int) -> int:
+    """``limited``, its message acknowledged before it runs (Celery's default)."""
+    record(self, i=i)
     return i
 
 
