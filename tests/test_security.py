@@ -125,6 +125,15 @@ def acl_line(commands: tuple[str, ...] = ACL_COMMANDS) -> str:
 ACL_LINE = acl_line()
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/operations.md"])
+def test_the_acl_line_the_docs_give_is_the_one_the_tests_run_under(page: str) -> None:
+    """The least-privilege line a user pastes from the docs is the one every test of
+    this section grants (its commands, and the ones a NOPERM error names)."""
+    text = (Path(__file__).resolve().parents[1] / page).read_text(encoding="utf-8")
+    lines = [line.strip() for line in text.splitlines() if "ACL SETUSER ratelimit on" in line]
+    assert lines == [ACL_LINE.format(password="PASSWORD")]
+
+
 _round = itertools.count()
 
 

@@ -135,6 +135,39 @@ def test_the_base_class_option_is_validated_when_the_task_is_built(app: Celery) 
         def broken() -> None: ...
 
 
+@pytest.mark.parametrize("form", ["base class", "rules"])
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("ratelimit_max_deferrals", -1, "-1"),
+        ("ratelimit_guard", "0.1", "'0.1'"),
+        ("ratelimit_max_deferal", 3, "unknown option 'ratelimit_max_deferal'"),
+    ],
+)
+def test_a_bad_task_option_is_rejected_when_the_task_is_built(
+    app: Celery, form: str, option: str, value: Any, says: str
+) -> None:
+    """``@app.task(ratelimit_...=...)``, on the base class or on a plain task the rules
+    limit: a bad value or an unknown name fails when Celery builds the task, naming the
+    task, the option and the value, not when a worker first runs it."""
+    options: dict[str, Any] = {option: value}
+    if form == "rules":
+        app.conf.ratelimit_rules = {"opts.job": "5/s"}
+        install(app)
+    else:
+        options.update(base=RateLimitedTask, ratelimit="5/s")
+    app.finalize()
+    with pytest.raises(InvalidLimit) as raised:
+
+        @app.task(name="opts.job", shared=False, **options)
+        def job() -> None: ...
+
+        job.name  # noqa: B018 (builds the task, if the decorator did not)
+    assert "opts.job" in str(raised.value) and option in str(raised.value)
+    assert says in str(raised.value)
+    assert raised.value.__cause__ is None
+
+
 @pytest.mark.parametrize("form", ["base class", "rules", "bad rate"])
 def test_a_bad_limit_raised_where_celery_builds_the_task_stands_alone(
     app: Celery, form: str
@@ -408,18 +441,26 @@ def test_a_key_template_may_name_a_keyword_of_a_kwargs_task(app: Celery) -> None
         plan.resolve((7,), {"c": 1})
 
 
-def test_eager_calls_run_without_touching_the_limiter(app: Celery) -> None:
+@pytest.mark.parametrize("form", ["base class", "decorator", "rules"])
+def test_eager_calls_run_without_touching_the_limiter(app: Celery, form: str) -> None:
     app.conf.task_always_eager = True
     calls: list[int] = []
 
-    @app.task(base=RateLimitedTask, ratelimit="1/m", shared=False, bind=True)
-    def job(self: Any, i: int) -> int:
+    def body(self: Any, i: int) -> int:
         calls.append(i)
         # what the README says a body reads: never deferred here, so 0; no decision
         assert self.request.ratelimit_deferrals == 0
         assert self.request.ratelimit_decision is None
         return i
 
+    if form == "base class":
+        job = app.task(base=RateLimitedTask, ratelimit="1/m", shared=False, bind=True)(body)
+    elif form == "decorator":
+        job = ratelimit("1/m")(app.task(name="eager.job", shared=False, bind=True)(body))
+    else:
+        app.conf.ratelimit_rules = {"eager.job": "1/m"}
+        install(app)
+        job = app.task(name="eager.job", shared=False, bind=True)(body)
     app.finalize()
     # the limiter's Redis URL points at a closed port: eager mode never calls it
     assert [job.delay(i).get() for i in range(3)] == [0, 1, 2]

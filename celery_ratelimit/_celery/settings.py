@@ -189,6 +189,27 @@ def check_app_settings(app: Any) -> None:
             setting(name, app)
 
 
+def check_task_options(cls: Any, what: str) -> None:
+    """Validate the ``ratelimit_*`` options a task class sets itself
+    (``@app.task(ratelimit_max_deferrals=3)``), when the class is built.
+
+    Raises:
+        InvalidLimit: an unknown option, or a bad value (naming ``what``, the option and
+            the value).
+    """
+    for name, value in list(vars(cls).items()):
+        if not name.startswith("ratelimit_"):
+            continue
+        if name not in DEFAULTS:
+            raise InvalidLimit(
+                f"{what}: unknown option {name!r}: expected one of {', '.join(sorted(DEFAULTS))}"
+            )
+        try:
+            _CHECKS[name](name, value)
+        except InvalidLimit as exc:
+            raise InvalidLimit(f"{what}: {exc}") from None
+
+
 def redis_url(app: Any) -> str:
     """``ratelimit_redis_url``, else the broker URL when it is Redis, else localhost."""
     url = setting("ratelimit_redis_url", app)

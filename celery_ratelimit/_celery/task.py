@@ -49,7 +49,7 @@ from .check import DECISION_ATTR, DEFERRALS_HEADER, TOKEN_HEADER, _process_setti
 from .defer import Deferral, defer
 from .path import Path, enforce
 from .plan import check_key_fields, plan_for
-from .settings import limiter_for
+from .settings import check_task_options, limiter_for
 from .slots import SLOT_ATTR, release
 
 logger = logging.getLogger("celery_ratelimit")
@@ -206,11 +206,11 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         # Celery builds one subclass per @app.task: validate the option right there,
         # so a bad rate fails when the task is declared, not when it first runs.
         super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name") or cls.__name__
+        check_task_options(cls, f"task {name}")
         spec = cls.__dict__.get("ratelimit")
         if spec is not None:
-            cls.ratelimit = checked_limits(
-                cls, spec, f"ratelimit of task {cls.__dict__.get('name') or cls.__name__}"
-            )
+            cls.ratelimit = checked_limits(cls, spec, f"ratelimit of task {name}")
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check the shared limit before the body runs; defer (``Retry``) if denied."""
@@ -260,6 +260,7 @@ def wrap_before_start(cls: Any) -> None:
     existing ``before_start`` still runs, after the check.
     """
     checked_limits(cls, cls.ratelimit)
+    check_task_options(cls, f"task {cls.__dict__.get('name') or cls.__name__}")
     if issubclass(cls, RateLimitedTask) or cls.__dict__.get("_ratelimit_wrapped"):
         return
     original = cls.before_start
