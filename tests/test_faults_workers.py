@@ -471,3 +471,18 @@ def test_a_deferred_copy_the_broker_refuses_is_not_lost(
         os.kill(limiter.proc.pid, signal.SIGCONT)
         print_on_failure(request, fleet)
         fleet.stop()
+
+
+def test_deferred_copies_come_back_on_the_queue_their_task_was_sent_to(fleet: Fleet) -> None:
+    """Nodes that consume only the queue ``other`` (not the default queue), 30 tasks sent
+    there at 10/s: every deferred copy is published to ``other`` too (a copy routed to
+    the default queue would never run)."""
+    fleet.add(2, rate="10/s", consume="other")
+    ids = [fleet.send("limited", i, queue="other") for i in range(30)]
+    runs = fleet.wait_for_runs(ids, 30)
+    counts = tally(ids, runs)
+    deferred = [r for r in runs if r["deferrals"]]
+    print(f"\n[queue] {counts}; {len(deferred)} ran after a deferral")
+    assert counts["lost"] == 0, counts
+    assert deferred, "no task was deferred: the test tested nothing"
+    assert {r["queue"] for r in runs} == {"other"}

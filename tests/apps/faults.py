@@ -12,7 +12,8 @@ Configured from the environment by the test that starts the nodes:
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
   ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ);
   ``CRL_CONFIRM``: RabbitMQ publisher confirms (``confirm_publish``);
-  ``CRL_BROKER_WRITE``: the nodes' ``broker_write_url``.
+  ``CRL_BROKER_WRITE``: the nodes' ``broker_write_url``; ``CRL_CONSUME``: the queues
+  they consume (``task_queues``), when not the default queue.
 
 Tasks are ``acks_late`` with ``reject_on_worker_lost``: a killed worker's task is
 delivered again.
@@ -27,6 +28,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu import Queue
 
 from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
 from tests.measure import server_us
@@ -57,6 +59,10 @@ app.conf.update(
     # the third form of the key shapes the README teaches (``door_*``)
     ratelimit_rules={"tests.apps.faults.door_erp": Limit(RATE, key="{k}:erp")},
 )
+if os.environ.get("CRL_CONSUME"):
+    # the queues the nodes consume, the default queue (where a task goes unrouted) not
+    # among them
+    app.conf.task_queues = [Queue(name) for name in os.environ["CRL_CONSUME"].split(",")]
 if os.environ.get("CRL_BROKER_WRITE"):
     # publishes (a deferred copy's) on a connection of their own (Celery's
     # broker_write_url), which a test can refuse while the consumer's still acks
@@ -102,6 +108,7 @@ def record(task: Any, **extra: Any) -> None:
                 "hostname": task.request.hostname,
                 "pid": os.getpid(),
                 "policy": getattr(task.request, "ratelimit_on_redis_error", None),
+                "queue": (task.request.delivery_info or {}).get("routing_key"),
                 **extra,
             }
         ),
