@@ -10,14 +10,24 @@ ERROR, not one per task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
-from celery_ratelimit import AsyncLimiter, Limiter, LimiterMisconfigured, LimiterUnavailable
+from celery_ratelimit import (
+    AsyncLimiter,
+    Limit,
+    Limiter,
+    LimiterMisconfigured,
+    LimiterUnavailable,
+)
 from celery_ratelimit._engine.failures import version_error
 from tests.fault_nodes import Fleet
 from tests.nodes import rabbitmq_reachable, unique_prefix
@@ -255,3 +265,56 @@ def test_the_version_check_reads_info_as_redis_writes_it(version: str, too_old: 
     assert (error is not None) == too_old
     if error is not None:
         assert version in str(error) and "6.2 or newer" in str(error)
+
+
+def test_a_busy_server_and_a_read_only_replica_are_unavailable_for_now_not_misconfigured() -> None:
+    """The README's "Redis unreachable for now": a server running another client's long
+    script answers ``BUSY``, a primary turned replica (a failover) answers ``READONLY``
+    to the script's writes. Both are ``LimiterUnavailable`` (``ratelimit_on_redis_error``
+    decides), never ``LimiterMisconfigured``, for ``Limiter`` and ``AsyncLimiter``; the
+    limiter decides again once the server is back."""
+    limit = Limit("5/s")
+    with RedisServer("--busy-reply-threshold", "100") as server, RedisServer() as primary:
+        limiter = Limiter.from_url(server.url, prefix="transient")
+        assert limiter.acquire("k", limit).allowed
+
+        def runs_forever() -> None:
+            with server.client() as client, contextlib.suppress(redis.ResponseError):
+                client.eval("local i = 0 while true do i = i + 1 end", 0)
+
+        busy = threading.Thread(target=runs_forever)
+        busy.start()
+        try:
+            time.sleep(0.3)  # past the busy-reply threshold
+            with pytest.raises(LimiterUnavailable, match="BUSY"):
+                limiter.acquire("k", limit)
+            with pytest.raises(LimiterUnavailable, match="BUSY"):
+                asyncio.run(_acquire_async(server.url, limit))
+        finally:
+            with server.client() as client:
+                client.script_kill()
+            busy.join()
+        assert limiter.acquire("k", limit).allowed
+
+        with server.client() as client:
+            client.replicaof("127.0.0.1", primary.port)
+            deadline = time.monotonic() + 10
+            while client.info("replication").get("master_link_status") != "up":
+                assert time.monotonic() < deadline, "the replica did not sync"
+                time.sleep(0.1)
+        with pytest.raises(LimiterUnavailable, match="read only replica"):
+            limiter.acquire("k", limit)
+        with pytest.raises(LimiterUnavailable, match="read only replica"):
+            asyncio.run(_acquire_async(server.url, limit))
+        with server.client() as client:
+            client.replicaof("NO", "ONE")  # promoted: a failover's end
+        assert limiter.acquire("k", limit).allowed
+        limiter.client.close()
+
+
+async def _acquire_async(url: str, limit: Limit) -> Any:
+    limiter = AsyncLimiter.from_url(url, prefix="transient")
+    try:
+        return await limiter.acquire("k", limit)
+    finally:
+        await limiter.aclose()
