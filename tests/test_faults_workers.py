@@ -486,3 +486,21 @@ def test_deferred_copies_come_back_on_the_queue_their_task_was_sent_to(fleet: Fl
     assert counts["lost"] == 0, counts
     assert deferred, "no task was deferred: the test tested nothing"
     assert {r["queue"] for r in runs} == {"other"}
+
+
+def test_a_slot_moments_away_is_waited_for_in_process_not_published(fleet: Fleet) -> None:
+    """The README's "A slot under 200 ms away is waited for in-process": two tasks of a
+    limit of 1 per 100 ms, queued before the node (prefork -c 2) starts, are taken at
+    once. The second's slot is 100 ms after the first's grant: it is granted for that
+    instant and its process waits for it, with no copy published."""
+    ids = [fleet.send("limited", i) for i in range(2)]
+    fleet.add(1, rate="1/100ms")
+    runs = fleet.wait_for_runs(ids, 10)
+    grants = sorted(r["granted"] for r in runs)
+    print(f"\n[in-process] grants {(grants[1] - grants[0]) / 1000:.1f} ms apart")
+    assert tally(ids, runs)["lost"] == 0
+    assert not fleet.grep("ratelimit: deferred"), fleet.grep("ratelimit: deferred")
+    assert [r["deferrals"] for r in runs] == [0, 0]
+    assert grants[1] - grants[0] >= 100_000
+    # each body started at its grant, not before (by the limiter's clock)
+    assert all(r["t"] >= r["granted"] for r in runs), runs
