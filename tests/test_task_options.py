@@ -8,8 +8,11 @@ redis-server); whether the limit holds is proven against real worker nodes in
 
 from __future__ import annotations
 
+import ast
+import re
 import traceback
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +33,7 @@ from celery_ratelimit import (
 from celery_ratelimit._celery import compat as _compat
 from celery_ratelimit._celery.install import Rules, rule_warnings
 from celery_ratelimit._celery.plan import plan_for
-from celery_ratelimit._celery.settings import DEFAULTS, setting
+from celery_ratelimit._celery.settings import DEFAULTS, TASK_OPTIONS, setting
 from celery_ratelimit._celery.task import DECISION_ATTR, enforce
 from celery_ratelimit._engine.decision import Decision
 
@@ -127,6 +130,27 @@ def test_the_decorator_validates_when_the_module_is_imported(app: Celery) -> Non
         ratelimit("10/s")(not_a_task)
 
 
+def test_the_decorator_takes_every_task_option_and_the_task_resolves_it(app: Celery) -> None:
+    given = {
+        "max_countdown": 30,
+        "max_deferrals": 2,
+        "reserve": False,
+        "guard": 0.01,
+        "on_redis_error": "allow",
+        "redis_error_countdown": 3,
+        "concurrency_lease": 60,
+    }
+    assert {f"ratelimit_{name}" for name in given} == set(TASK_OPTIONS)
+
+    @ratelimit("10/s", **given)
+    @app.task(name="opts.decorated", shared=False)
+    def job() -> None: ...
+
+    app.finalize()
+    for name, value in given.items():
+        assert setting(f"ratelimit_{name}", app, job) == value, name
+
+
 def test_the_base_class_option_is_validated_when_the_task_is_built(app: Celery) -> None:
     app.finalize()
     with pytest.raises(InvalidRate, match="ten per second"):
@@ -141,7 +165,8 @@ def test_the_base_class_option_is_validated_when_the_task_is_built(app: Celery) 
     [
         ("ratelimit_max_deferrals", -1, "-1"),
         ("ratelimit_guard", "0.1", "'0.1'"),
-        ("ratelimit_max_deferal", 3, "unknown option 'ratelimit_max_deferal'"),
+        ("ratelimit_max_deferal", 3, "'ratelimit_max_deferal' is unknown"),
+        ("ratelimit_warning_interval", 5, "is an app-wide setting"),
     ],
 )
 def test_a_bad_task_option_is_rejected_when_the_task_is_built(
@@ -548,3 +573,18 @@ def test_observe_in_an_eager_body_writes_nothing_and_outside_a_body_is_refused(
     assert job.delay().get() is False
     with pytest.raises(RuntimeError, match="task's body"):
         celery_ratelimit.observe({"Retry-After": "5"})
+
+
+def test_the_readmes_settings_table_is_the_code_s() -> None:
+    """Every setting the README's table lists, and only those, with the default the
+    code has; the task options are its last seven rows ("the seven from
+    `on_redis_error` down")."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(ratelimit_[a-z_]+)` \| (.+?) \|", readme, re.MULTILINE)
+    assert set(DEFAULTS) == {name for name, _ in rows}
+    assert tuple(name for name, _ in rows[-7:]) == TASK_OPTIONS
+    for name, shown in rows:
+        if name == "ratelimit_redis_url":
+            assert DEFAULTS[name] is None  # worked out from the broker's URL (redis_url)
+            continue
+        assert ast.literal_eval(shown.strip("`")) == DEFAULTS[name], name

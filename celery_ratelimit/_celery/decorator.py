@@ -20,12 +20,12 @@ from .._engine.limit import (
 )
 from . import compat
 from .plan import check_function_fields
-from .settings import setting
+from .settings import TASK_OPTIONS, setting
 from .task import wrap_before_start
 
 T = TypeVar("T")
 
-_OPTIONS = ("max_countdown", "max_deferrals", "reserve", "on_redis_error")
+_OPTIONS = tuple(name.removeprefix("ratelimit_") for name in TASK_OPTIONS)
 
 
 def ratelimit(
@@ -50,8 +50,9 @@ def ratelimit(
             :class:`Concurrency`, or a list of them (checked all or nothing).
         key, cost, algorithm, align, adapt, burst, fair_key, fair_weight: as for
             :class:`Limit`, when ``rate`` is a string or function.
-        max_countdown, max_deferrals, reserve, on_redis_error: this task's
-            ``ratelimit_*`` options (see the settings in README).
+        on_redis_error, max_countdown, max_deferrals, reserve, guard,
+            redis_error_countdown, concurrency_lease: this task's ``ratelimit_*``
+            options (see the settings in README).
 
     The limits are validated here, when the module is imported, and so are the key
     templates, against the task function's signature.

@@ -157,6 +157,19 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "ratelimit_concurrency_lease": _positive_number,
 }
 
+#: The options a task may set (``@app.task(ratelimit_max_deferrals=3)``, the decorator's
+#: ``max_deferrals=3``), and but the last a call too (a message header of the same name);
+#: the other settings are app-wide (``app.conf`` only).
+TASK_OPTIONS = (
+    "ratelimit_on_redis_error",
+    "ratelimit_max_countdown",
+    "ratelimit_max_deferrals",
+    "ratelimit_reserve",
+    "ratelimit_guard",
+    "ratelimit_redis_error_countdown",
+    "ratelimit_concurrency_lease",
+)
+
 _UNSET = object()
 
 
@@ -200,9 +213,10 @@ def check_task_options(cls: Any, what: str) -> None:
     for name, value in list(vars(cls).items()):
         if not name.startswith("ratelimit_"):
             continue
-        if name not in DEFAULTS:
+        if name not in TASK_OPTIONS:
+            known = "an app-wide setting (app.conf)" if name in DEFAULTS else "unknown"
             raise InvalidLimit(
-                f"{what}: unknown option {name!r}: expected one of {', '.join(sorted(DEFAULTS))}"
+                f"{what}: option {name!r} is {known}: a task sets one of {', '.join(TASK_OPTIONS)}"
             )
         try:
             _CHECKS[name](name, value)
