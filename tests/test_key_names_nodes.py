@@ -1,8 +1,9 @@
 """One key name, one budget, on a real worker node: for each key shape the README
 teaches (``api:{k}`` by the base class, ``yt:quota:{k}`` by the decorator, ``{k}:erp``
-by the rules), an override set by the CLI holds the task to it, a ``Limiter.pause``
-stops it, and a producer's ``Limiter.acquire`` of the rendered key spends its budget,
-on one redis-server and on a three-primary Redis Cluster."""
+by the rules), an override set by the CLI holds the task to it, a ``Limiter.pause`` and
+another task's ``UpstreamRateLimited(key=...)`` stop it, and a producer's
+``Limiter.acquire`` of the rendered key spends its budget, on one redis-server and on a
+three-primary Redis Cluster."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ pytestmark = [pytest.mark.celery, pytest.mark.timeout(300)]
 RATE = "4/m"
 #: task, key template (as the faults app declares them)
 DOORS = {"door_api": "api:{k}", "door_quota": "yt:quota:{k}", "door_erp": "{k}:erp"}
+#: the tasks sent per door: K-set overridden to 2/m, K-pause paused, K-spent spent by a
+#: producer, K-up paused by another task's 429; K-free runs freely
+SENT = (("Kset", 4), ("Kpause", 2), ("Kspent", 2), ("Kup", 2), ("Kfree", 2))
 
 
 @pytest.fixture(params=["server", "cluster"])
@@ -74,13 +78,20 @@ def test_an_override_a_pause_and_a_producers_acquire_reach_the_tasks_key(
     try:
         fleet.add(1)
         sent: dict[str, tuple[str, str]] = {}  # id -> (task, what its key went through)
-        for task, template in DOORS.items():
-            # each door on a key of its own: K-set, K-pause, K-spent; K-free runs freely
+        for template in DOORS.values():
+            # each door on a key of its own (SENT)
             cli("set", template.format(k="Kset"), "2/m", url=url, prefix=prefix)
             limiter.pause(template.format(k="Kpause"), 120)
             for _ in range(4):
                 assert limiter.acquire(template.format(k="Kspent"), Limit(RATE)).allowed
-            for door, count in (("Kset", 4), ("Kpause", 2), ("Kspent", 2), ("Kfree", 2)):
+            fleet.send("upstream_429", template.format(k="Kup"))
+        deadline = time.monotonic() + 30
+        for template in DOORS.values():  # each 429 has paused its key
+            while limiter.peek(template.format(k="Kup"), Limit(RATE)).allowed:
+                assert time.monotonic() < deadline, f"{template}: no 429 paused Kup"
+                time.sleep(0.1)
+        for task in DOORS:
+            for door, count in SENT:
                 for i in range(count):
                     sent[fleet.send(task, door, i)] = (task, door)
         # the tasks that may run now: the free ones and the override's 2 of each task

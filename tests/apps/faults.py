@@ -30,7 +30,7 @@ import redis
 from celery import Celery
 from kombu import Queue
 
-from celery_ratelimit import Limit, RateLimitedTask, install, ratelimit
+from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited, install, ratelimit
 from tests.measure import server_us
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
@@ -141,6 +141,14 @@ def door_quota(self: Any, k: str, i: int) -> int:
 def door_erp(self: Any, k: str, i: int) -> int:
     record(self, i=i, k=k)
     return i
+
+
+@app.task(base=RateLimitedTask, ratelimit=Limit("100/m", key="pauser"), bind=True)
+def upstream_429(self: Any, key: str) -> None:
+    """A body whose upstream answered 429 for ``key``, another task's rendered key (the
+    fourth door: ``UpstreamRateLimited(key=...)``)."""
+    record(self, key=key)
+    raise UpstreamRateLimited(120, key=key)
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit(RATE, key="shared"), bind=True)
