@@ -22,6 +22,7 @@ import pytest
 import redis
 from kombu import Connection
 
+from celery_ratelimit import Concurrency, Limiter
 from tests.fault_nodes import (
     Fleet,
     Node,
@@ -31,7 +32,7 @@ from tests.fault_nodes import (
     print_on_failure,
     tally,
 )
-from tests.measure import percentiles
+from tests.measure import percentiles, server_us
 from tests.nodes import RABBITMQ_URL, require_rabbitmq, unique_prefix
 from tests.redis_server import RedisServer
 
@@ -504,3 +505,32 @@ def test_a_slot_moments_away_is_waited_for_in_process_not_published(fleet: Fleet
     assert grants[1] - grants[0] >= 100_000
     # each body started at its grant, not before (by the limiter's clock)
     assert all(r["t"] >= r["granted"] for r in runs), runs
+
+
+def test_a_concurrency_slots_lease_comes_from_the_time_limit_the_task_or_the_app(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+) -> None:
+    """The README's ``ratelimit_concurrency_lease``: a running body's slot is leased for
+    the app's setting (7 s here), the task's own option (11 s), or the task's hard
+    ``time_limit`` (20 s, over its option): read in the holders set while each body
+    runs."""
+    _broker, limiter_server = servers
+    fleet.add(2, concurrency_lease="7")  # a process for each body
+    expected = {"leased": 7.0, "leased_own": 11.0, "leased_timed": 20.0}
+    keys = {"leased": "leased", "leased_own": "leased:own", "leased_timed": "leased:timed"}
+    ids = {fleet.send(task, 0): task for task in expected}
+    deadline = time.monotonic() + 20
+    while len({r["id"] for r in fleet.runs()}) < len(ids):
+        assert time.monotonic() < deadline, "the bodies did not start"
+        time.sleep(0.05)
+    limiter = Limiter.from_url(limiter_server.url, prefix=fleet.prefix)
+    with limiter_server.client() as client:
+        now = server_us(client)
+        for task, lease in expected.items():
+            [holders] = limiter.keys_for(keys[task], Concurrency(1))
+            held = [s for m, s in client.zrange(holders, 0, -1, withscores=True) if m != b""]
+            assert len(held) == 1, (task, held)
+            left = (held[0] - now) / 1e6
+            print(f"[lease] {task}: {left:.2f}s left of {lease:g}s")
+            assert lease - 3 <= left <= lease + 0.5, (task, left)  # a body runs 3 s
+    limiter.client.close()

@@ -7,7 +7,7 @@ Configured from the environment by the test that starts the nodes:
   execution is recorded (never the limiter's, which the tests break);
 - ``CRL_PREFIX``, ``CRL_RATE``; ``CRL_POLICY`` (``ratelimit_on_redis_error``),
   ``CRL_WARN_INTERVAL``, ``CRL_ERROR_COUNTDOWN``, ``CRL_MAX_COUNTDOWN``,
-  ``CRL_MAX_DEFERRALS``;
+  ``CRL_MAX_DEFERRALS``, ``CRL_CONCURRENCY_LEASE``;
 - ``CRL_MASTER_NAME``: the Sentinel service of a ``sentinel://`` broker;
 - ``CRL_SLEEP``: seconds each body sleeps; ``CRL_VISIBILITY``: the Redis transport's
   ``visibility_timeout``; ``CRL_QUEUE``: the default queue (one per test on RabbitMQ);
@@ -30,7 +30,14 @@ import redis
 from celery import Celery
 from kombu import Queue
 
-from celery_ratelimit import Limit, RateLimitedTask, UpstreamRateLimited, install, ratelimit
+from celery_ratelimit import (
+    Concurrency,
+    Limit,
+    RateLimitedTask,
+    UpstreamRateLimited,
+    install,
+    ratelimit,
+)
 from tests.measure import server_us
 
 BROKER = os.environ.get("CRL_BROKER", "redis://127.0.0.1:6379/15")
@@ -48,6 +55,7 @@ app.conf.update(
     ratelimit_warning_interval=float(os.environ.get("CRL_WARN_INTERVAL", "60")),
     ratelimit_redis_error_countdown=float(os.environ.get("CRL_ERROR_COUNTDOWN", "1")),
     ratelimit_max_countdown=float(os.environ.get("CRL_MAX_COUNTDOWN", "600")),
+    ratelimit_concurrency_lease=float(os.environ.get("CRL_CONCURRENCY_LEASE", "300")),
     ratelimit_max_deferrals=(
         int(os.environ["CRL_MAX_DEFERRALS"]) if os.environ.get("CRL_MAX_DEFERRALS") else None
     ),
@@ -140,6 +148,40 @@ def door_quota(self: Any, k: str, i: int) -> int:
 @app.task(bind=True)
 def door_erp(self: Any, k: str, i: int) -> int:
     record(self, i=i, k=k)
+    return i
+
+
+# A concurrency slot's lease, by where it comes from: the app's setting, the task's own
+# option, the task's time_limit (which wins over the option).
+@app.task(base=RateLimitedTask, ratelimit=Concurrency(1, key="leased"), bind=True)
+def leased(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(3)
+    return i
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Concurrency(1, key="leased:own"),
+    ratelimit_concurrency_lease=11,
+    bind=True,
+)
+def leased_own(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(3)
+    return i
+
+
+@app.task(
+    base=RateLimitedTask,
+    ratelimit=Concurrency(1, key="leased:timed"),
+    ratelimit_concurrency_lease=11,
+    time_limit=20,
+    bind=True,
+)
+def leased_timed(self: Any, i: int) -> int:
+    record(self, i=i)
+    time.sleep(3)
     return i
 
 
