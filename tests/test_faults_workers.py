@@ -534,3 +534,26 @@ def test_a_concurrency_slots_lease_comes_from_the_time_limit_the_task_or_the_app
             print(f"[lease] {task}: {left:.2f}s left of {lease:g}s")
             assert lease - 3 <= left <= lease + 0.5, (task, left)  # a body runs 3 s
     limiter.client.close()
+
+
+def test_deferrals_for_an_unreachable_redis_count_toward_max_deferrals(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+) -> None:
+    """The README's ``ratelimit_max_deferrals``: a deferral because Redis is unreachable
+    (policy ``defer``) counts like a denial: with the limiter's Redis down and
+    ``max_deferrals = 2``, the task is deferred twice, then fails with
+    ``RateLimitExceeded`` instead of being deferred forever."""
+    _broker, limiter = servers
+    limiter.stop()
+    fleet.add(1, max_deferrals="2", error_countdown="0.3")
+    task_id = fleet.send("limited", 0)
+    deadline = time.monotonic() + 30
+    while not fleet.grep(f"[{task_id}] raised unexpected"):
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.1)
+    deferred = [line for line in fleet.grep("ratelimit: deferred ") if task_id in line]
+    [failed] = fleet.grep(f"[{task_id}] raised unexpected")
+    print(f"\n[max deferrals] {len(deferred)} deferrals, then: {failed.split('] ', 2)[-1]}")
+    assert len(deferred) == 2, deferred
+    assert "RateLimitExceeded" in failed and "deferred 2 times" in failed, failed
+    assert not fleet.runs()
