@@ -130,6 +130,18 @@ def test_the_decorator_validates_when_the_module_is_imported(app: Celery) -> Non
         ratelimit("10/s")(not_a_task)
 
 
+def test_a_bad_app_setting_fails_when_a_base_class_task_is_bound_without_install(
+    app: Celery,
+) -> None:
+    app.conf.ratelimit_max_deferrals = -1
+
+    @app.task(base=RateLimitedTask, ratelimit="5/s", name="opts.bound", shared=False)
+    def job() -> None: ...
+
+    with pytest.raises(InvalidLimit, match=r"ratelimit_max_deferrals.*-1"):
+        app.finalize()  # binds every task: what a worker's start and a first .delay() do
+
+
 def test_the_decorator_takes_every_task_option_and_the_task_resolves_it(app: Celery) -> None:
     given = {
         "max_countdown": 30,

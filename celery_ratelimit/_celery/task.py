@@ -49,7 +49,7 @@ from .check import DECISION_ATTR, DEFERRALS_HEADER, TOKEN_HEADER, _process_setti
 from .defer import Deferral, defer
 from .path import Path, enforce
 from .plan import check_key_fields, plan_for
-from .settings import check_task_options, limiter_for
+from .settings import check_app_settings, check_task_options, limiter_for
 from .slots import SLOT_ATTR, release
 
 logger = logging.getLogger("celery_ratelimit")
@@ -211,6 +211,14 @@ class RateLimitedTask(Task):  # type: ignore[misc]
         spec = cls.__dict__.get("ratelimit")
         if spec is not None:
             cls.ratelimit = checked_limits(cls, spec, f"ratelimit of task {name}")
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Celery binds each task to its app (``app.finalize()``, a worker's start):
+        the app's ``ratelimit_*`` settings are checked then, with or without
+        ``install(app)``, not when the first task runs."""
+        super().on_bound(app)
+        check_app_settings(app)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Check the shared limit before the body runs; defer (``Retry``) if denied."""
