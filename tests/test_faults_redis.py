@@ -80,8 +80,9 @@ def send(fleet: Fleet, policy: str, count: int, base: int) -> list[str]:
 
 
 def failed(fleet: Fleet, ids: list[str]) -> set[str]:
-    """Ids of tasks the nodes logged as failed."""
-    lines = fleet.grep("raised unexpected")
+    """Ids of tasks the nodes logged as failed with ``LimiterUnavailable`` (the policy
+    ``raise``'s error, not another one)."""
+    lines = [line for line in fleet.grep("raised unexpected") if "LimiterUnavailable" in line]
     return {i for i in ids if any(i in line for line in lines)}
 
 

@@ -555,5 +555,7 @@ def test_deferrals_for_an_unreachable_redis_count_toward_max_deferrals(
     [failed] = fleet.grep(f"[{task_id}] raised unexpected")
     print(f"\n[max deferrals] {len(deferred)} deferrals, then: {failed.split('] ', 2)[-1]}")
     assert len(deferred) == 2, deferred
+    # each by ratelimit_redis_error_countdown
+    assert all(" for 0.300s " in line for line in deferred), deferred
     assert "RateLimitExceeded" in failed and "deferred 2 times" in failed, failed
     assert not fleet.runs()

@@ -846,3 +846,26 @@ def test_a_burst_leaving_a_long_log_is_pruned_a_batch_per_call(
         assert total(redis_client, keys[0]) == stored[-1]
     extra = 1 if newer else 0
     assert stored == [701 + extra, 202 + extra, 3 + extra]
+
+
+@pytest.mark.parametrize(
+    ("rate", "guard", "window_us", "slack_us"),
+    [
+        ("2/700ms", 0.03, 700_000, 28_000),
+        ("2/2s", 0.03, 2_000_000, 30_000),
+        ("2/2s", 0.0, 2_000_000, 0),
+    ],
+    ids=["capped-at-4%-of-700ms", "30ms-of-2s", "none"],
+)
+def test_the_guard_widens_a_windows_placement_by_at_most_4_percent_of_it(
+    limiter: Limiter, rate: str, guard: float, window_us: int, slack_us: int
+) -> None:
+    """``ratelimit_guard``: slots are placed in windows ``guard`` wider, at most 4% of
+    the window: a call denied after two grants may go when the first grant has left a
+    window that much wider than the limit's."""
+    limit = Limit(rate)
+    first = limiter.acquire("g", limit, guard=guard)
+    assert first.allowed and limiter.acquire("g", limit, guard=guard).allowed
+    denied = limiter.acquire("g", limit, guard=guard, reserve=True)
+    assert denied.reserved
+    assert us(denied.at) - us(first.at) == window_us + slack_us

@@ -33,7 +33,7 @@ from celery_ratelimit import (
 from celery_ratelimit._celery import compat as _compat
 from celery_ratelimit._celery.install import Rules, rule_warnings
 from celery_ratelimit._celery.plan import plan_for
-from celery_ratelimit._celery.settings import DEFAULTS, TASK_OPTIONS, setting
+from celery_ratelimit._celery.settings import DEFAULTS, TASK_OPTIONS, redis_url, setting
 from celery_ratelimit._celery.task import DECISION_ATTR, enforce
 from celery_ratelimit._engine.decision import Decision
 
@@ -600,3 +600,23 @@ def test_the_readmes_settings_table_is_the_code_s() -> None:
             assert DEFAULTS[name] is None  # worked out from the broker's URL (redis_url)
             continue
         assert ast.literal_eval(shown.strip("`")) == DEFAULTS[name], name
+
+
+@pytest.mark.parametrize(
+    ("broker", "expected"),
+    [
+        ("redis://broker.example:6380/2", "redis://broker.example:6380/2"),
+        ("rediss://:pw@broker.example:6380/0", "rediss://:pw@broker.example:6380/0"),
+        ("amqp://guest:guest@rabbit.example:5672//", "redis://localhost:6379/0"),
+        ("sentinel://s1:26379;sentinel://s2:26379", "redis://localhost:6379/0"),
+    ],
+)
+def test_the_limiters_url_defaults_to_a_redis_brokers_own_else_localhost(
+    broker: str, expected: str
+) -> None:
+    """The README's default of ``ratelimit_redis_url``: the broker URL when it is
+    ``redis://``/``rediss://``, else ``redis://localhost:6379/0``; a set value wins."""
+    app = Celery("urls", broker=broker, set_as_current=False)
+    assert redis_url(app) == expected
+    app.conf.ratelimit_redis_url = "redis://elsewhere:6379/5"
+    assert redis_url(app) == "redis://elsewhere:6379/5"
