@@ -12,8 +12,6 @@
 -- Reply {status, remaining, retry_after, reset_after, denied_by, at}, or {8}, as
 --       acquire.lua's
 
---- @include "lib/fit.lua"
-
 local ENTRY_FLOOR = 1e13
 local PRUNE_BATCH = 500
 -- as lib/entry.lua and lib/log.lua (tests/test_layout.py)
@@ -85,7 +83,12 @@ if total + cost > limit then
     + math.ceil((total + cost - limit) / cost) - 1
   local row = call('ZRANGE', key, nth, nth, 'WITHSCORES')
   local free = row[2] and tonumber(row[2]) + window or now + window
-  if newest > now then free = fit_at(key, now, window, limit - cost, cost, counted_room, free) end
+  if newest > now then
+    -- reservations ahead: the first fit among them (its functions made only here: each
+    -- function a call creates costs Redis time)
+--- @include "lib/fit.lua"
+    free = fit_at(key, now, window, limit - cost, cost, counted_room, free)
+  end
   if free > now then at, denied_by = free, 1 end  -- a hole before reservations ahead: now
 end
 if gate > at then at, denied_by = gate, 2 end
