@@ -559,3 +559,23 @@ def test_deferrals_for_an_unreachable_redis_count_toward_max_deferrals(
     assert all(" for 0.300s " in line for line in deferred), deferred
     assert "RateLimitExceeded" in failed and "deferred 2 times" in failed, failed
     assert not fleet.runs()
+
+
+def test_a_redis_outage_is_warned_once_per_interval_per_process_not_per_task(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+) -> None:
+    """The README's ``ratelimit_warning_interval``: with the limiter's Redis down, tasks
+    deferred every 0.2 s for 4 s log one WARNING per second per process (1 s here), not
+    one per deferral."""
+    _broker, limiter = servers
+    limiter.stop()
+    fleet.add(1, warn_interval="1", error_countdown="0.2")  # two pool processes
+    for i in range(3):
+        fleet.send("limited", i)
+    time.sleep(4)
+    warned = fleet.grep("ratelimit: Redis unavailable")
+    deferrals = len(fleet.grep("ratelimit: deferred "))
+    print(f"\n[warnings] {len(warned)} warnings for {deferrals} deferrals in 4 s")
+    assert all("next warning in 1s at the earliest" in line for line in warned), warned
+    assert 2 <= len(warned) <= 2 * (4 + 1), warned  # more than one interval, two processes
+    assert deferrals > 2 * len(warned)
