@@ -19,7 +19,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_ratelimit import Concurrency, Limit, RateLimitedTask, UpstreamRateLimited
+from celery_ratelimit import Concurrency, Limit, Limiter, RateLimitedTask, UpstreamRateLimited
 from celery_ratelimit._celery import metrics as _metrics
 from tests.metrics_nodes import metrics_node
 from tests.redis_server import RedisServer
@@ -94,6 +94,14 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     def work(i: int) -> int:
         return i
 
+    @app.task(
+        name="metrics_test.held",
+        base=RateLimitedTask,
+        ratelimit=Limit("3/s", key="metrics-held", name="metrics-held"),
+    )
+    def held(i: int) -> int:
+        return i
+
     latency_before = (
         prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_decision_seconds_count")
         or 0.0
@@ -103,9 +111,14 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
         start_worker(app, pool="solo", perform_ping_check=False, task_events=True),
     ):
         time.sleep(0.5)  # the event receiver is bound by now
+        Limiter.from_url(server.url, prefix=app.conf.ratelimit_key_prefix).pause(
+            "metrics-held", 1.0
+        )
+        held.delay(0)
         for i in range(8):
             work.delay(i)
         until(lambda: sample("celery_ratelimit_allowed_total", label) >= 8, "8 tasks ran")
+        until(lambda: sample("celery_ratelimit_allowed_total", "metrics-held") >= 1, "held ran")
         time.sleep(0.5)  # the last events arrive
     allowed = sample("celery_ratelimit_allowed_total", label)
     deferred = sample("celery_ratelimit_deferred_total", label)
@@ -120,10 +133,14 @@ def test_a_worker_counts_decisions_per_limit_and_sends_deferral_events(
     assert 0 < seconds + micros / 1e6 - drained < 30
     latency = prometheus_client.REGISTRY.get_sample_value("celery_ratelimit_decision_seconds_count")
     assert latency - latency_before >= allowed + deferred
-    assert len(events) == deferred
-    assert {e["key"] for e in events} == {"metrics-api"}
-    assert all(e["reserved"] and e["countdown"] > 0 and e["deferrals"] >= 1 for e in events)
+    limited = [e for e in events if e["key"] == "metrics-api"]
+    paused = [e for e in events if e["key"] == "metrics-held"]
+    assert len(limited) == deferred and len(limited) + len(paused) == len(events)
+    assert all(e["reserved"] and e["countdown"] > 0 and e["deferrals"] >= 1 for e in limited)
     assert {e["type"] for e in events} == {"task-ratelimited"}
+    # what each deferral waited for: the limit's budget, or the key's pause
+    assert {e["why"] for e in limited} == {"limit"}
+    assert paused and {e["why"] for e in paused} == {"paused"}
 
 
 def test_metrics_are_off_and_prometheus_client_unimported_by_default() -> None:
