@@ -74,13 +74,19 @@ def test_commands_point_at_modules_that_import_and_read_the_environment(
     assert module, f"{service}: no -A/-m module in {_command(spec)!r}"
     env = dict(spec.get("environment") or {})
     assert env, f"{service} sets no environment"
+
     # Import the module as the container would (from the repository root), with each
-    # variable set to a marker (a number where the value is one), and find every
-    # marker in what the module configured.
-    markers = {
-        name: str(987650 + i) if str(value).isdigit() else f"marker-{i}-{name.lower()}"
-        for i, (name, value) in enumerate(env.items())
-    }
+    # variable set to a marker (a number where the value is one, a URL of the same scheme
+    # where it is a URL: the app's settings are checked when its tasks are bound), and
+    # find every marker in what the module configured.
+    def marker(i: int, name: str, value: Any) -> str:
+        if str(value).isdigit():
+            return str(987650 + i)
+        if "://" in str(value):
+            return f"{str(value).split('://')[0]}://marker-{i}-{name.lower()}:6379/0"
+        return f"marker-{i}-{name.lower()}"
+
+    markers = {name: marker(i, name, value) for i, (name, value) in enumerate(env.items())}
     probe = (
         "import importlib, json, sys\n"
         f"m = importlib.import_module({module!r})\n"
