@@ -274,7 +274,7 @@ def test_a_busy_server_and_a_read_only_replica_are_unavailable_for_now_not_misco
     decides), never ``LimiterMisconfigured``, for ``Limiter`` and ``AsyncLimiter``; the
     limiter decides again once the server is back."""
     limit = Limit("5/s")
-    with RedisServer("--busy-reply-threshold", "100") as server, RedisServer() as primary:
+    with RedisServer("--lua-time-limit", "100") as server, RedisServer() as primary:
         limiter = Limiter.from_url(server.url, prefix="transient")
         assert limiter.acquire("k", limit).allowed
 

@@ -147,7 +147,11 @@ def _by_class(
 def _by_text(text: str, doing: str, prefix: str) -> RateLimitError:
     """The error that Redis's reply tells by its words."""
     code = text.split(" ", 1)[0]
-    if code in TRANSIENT_CODES or any(f" {c} " in f" {text} " for c in TRANSIENT_CODES):
+    # inside a script, Redis 6.2 quotes the command's error after the script's line:
+    # "Error running script (...): @user_script:150: ... -READONLY You can't write ..."
+    if code in TRANSIENT_CODES or any(
+        f" {c} " in f" {text} " or f" -{c} " in f" {text} " for c in TRANSIENT_CODES
+    ):
         return LimiterUnavailable(f"Redis failed during {doing}: {text}")
     if "WRONGTYPE" in text:
         return LimiterMisconfigured(
