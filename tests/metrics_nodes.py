@@ -26,9 +26,11 @@ class MetricsNode:
 
 
 @contextlib.contextmanager
-def metrics_node(broker: str, limiter: str, scratch: Path) -> Iterator[MetricsNode]:
-    """Start the node (two pool processes) on ``broker`` with the limiter's Redis at
-    ``limiter``; wait until it is ready; stop it on leaving."""
+def metrics_node(
+    broker: str, limiter: str, scratch: Path, pool: str = "prefork", concurrency: int = 2
+) -> Iterator[MetricsNode]:
+    """Start the node (two pool processes, or ``pool`` with ``concurrency``) on ``broker``
+    with the limiter's Redis at ``limiter``; wait until it is ready; stop it on leaving."""
     node = MetricsNode(f"crl-metrics-{uuid.uuid4().hex[:8]}", free_port(), scratch / "node.log")
     multiproc = scratch / "prom"
     multiproc.mkdir()
@@ -44,7 +46,7 @@ def metrics_node(broker: str, limiter: str, scratch: Path) -> Iterator[MetricsNo
         proc = subprocess.Popen(
             [
                 sys.executable, "-m", "celery", "-A", "tests.apps.metrics_node", "worker",
-                "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle",
+                "-P", pool, "-c", str(concurrency), "--without-gossip", "--without-mingle",
                 "--without-heartbeat", "-l", "INFO",
             ],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

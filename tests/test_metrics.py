@@ -198,15 +198,17 @@ def families(text: str) -> dict[tuple[str, str], float]:
     }
 
 
-def test_a_prefork_node_serves_every_pool_process_by_the_documented_recipe(
-    server: RedisServer, tmp_path: Path
+@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("gevent", 20), ("eventlet", 20)])
+def test_a_node_serves_every_pool_process_by_the_documented_recipe(
+    server: RedisServer, tmp_path: Path, pool: str, concurrency: int
 ) -> None:
-    """A prefork node (two pool processes) started with the recipe of
-    docs/operations.md serves what its pool processes counted: every task allowed once,
-    no reservation left, the deferrals of 8 calls at 4/s."""
+    """A node started with the recipe of docs/operations.md serves what its pool
+    counted: every task allowed once, no reservation left, the deferrals of 8 calls at
+    4/s. On prefork, what its two pool processes counted; on the green pools, what one
+    process counted, served by the recipe's HTTP thread under the pool's monkey patch."""
     label = "metrics-node-api"  # tests.apps.metrics_node's (not imported: its recipe
     # would serve this process's metrics from any worker the tests start in it)
-    with metrics_node(server.url, server.url, tmp_path) as node:
+    with metrics_node(server.url, server.url, tmp_path, pool, concurrency) as node:
         sender = Celery("metrics_sender", broker=server.url, set_as_current=False)
         for i in range(8):
             sender.send_task("tests.apps.metrics_node.call", args=(i,))
