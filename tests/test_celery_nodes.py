@@ -290,7 +290,7 @@ def test_every_pool_starts_bodies_within_the_shared_limit(
         ids = [nodes.send(forms[i % len(forms)], i).id for i in range(count)]
         runs = nodes.wait_for_runs(ids, 60)
     label = f"{pool} -c {concurrency}{' with a busy core' if busy else ''}"
-    figures = check_backlog(nodes, ids, runs, RATE, label)
+    check_backlog(nodes, ids, runs, RATE, label)
     deferred = Counter(r["task"].rsplit(".", 1)[-1] for r in runs if r["deferrals"])
     assert set(deferred) == set(forms), deferred  # each form deferred tasks: enforced
     # each body's first Redis command on the server's clock, as an upstream would see

@@ -198,7 +198,9 @@ def families(text: str) -> dict[tuple[str, str], float]:
     }
 
 
-@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("gevent", 20), ("eventlet", 20)])
+@pytest.mark.parametrize(
+    ("pool", "concurrency"), [("prefork", 2), ("gevent", 20), ("eventlet", 20)]
+)
 def test_a_node_serves_every_pool_process_by_the_documented_recipe(
     server: RedisServer, tmp_path: Path, pool: str, concurrency: int
 ) -> None:
@@ -225,6 +227,29 @@ def test_a_node_serves_every_pool_process_by_the_documented_recipe(
     # read by the node's main process (no label: one series each, whatever the keys)
     for gauge in ("parked", "paused_keys", "overrides"):
         assert (f"celery_ratelimit_{gauge}", "") in seen
+
+
+def test_a_grant_read_late_on_a_busy_hub_is_counted_as_a_late_start(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """On a gevent node, a body that holds the hub for 0.5 s without yielding makes the
+    next greenlet wake that late from its wait for a paced start 100 ms ahead: its grant
+    is started anew (restamped) and counted in ``celery_ratelimit_late_starts_total``;
+    every task still runs once."""
+    label = "metrics-node-paced"
+    with metrics_node(server.url, server.url, tmp_path, "gevent", 20) as node:
+        sender = Celery("metrics_sender", broker=server.url, set_as_current=False)
+        for i in range(6):
+            sender.send_task("tests.apps.metrics_node.spin", args=(i,))
+        client = server.client()
+        until(lambda: client.llen(f"{node.prefix}:runs") >= 6, "6 tasks ran", 60)
+        time.sleep(0.3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.port}/metrics", timeout=10) as r:
+            seen = families(r.read().decode())
+    ran = sorted(client.lrange(f"{node.prefix}:runs", 0, -1))
+    assert ran == [f"s{i}".encode() for i in range(6)], ran
+    assert seen[("celery_ratelimit_allowed_total", label)] == 6
+    assert seen[("celery_ratelimit_late_starts_total", label)] >= 1
 
 
 def test_a_concurrency_limit_counts_every_body_and_leaves_no_reservation(
