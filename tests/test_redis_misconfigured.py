@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import threading
 import time
@@ -318,3 +319,53 @@ async def _acquire_async(url: str, limit: Limit) -> Any:
         return await limiter.acquire("k", limit)
     finally:
         await limiter.aclose()
+
+
+def test_a_server_loading_its_data_is_unavailable_for_now_not_misconfigured() -> None:
+    """The README's ``LOADING``: a restarted server answers every command with it until
+    its dataset is loaded. ``Limiter`` and ``AsyncLimiter`` raise ``LimiterUnavailable``
+    then (``ratelimit_on_redis_error`` decides), never ``LimiterMisconfigured``, and
+    decide again once it has loaded. The load is slowed per key (``key-load-delay``);
+    Redis 7 and Valkey answer between keys when told to, 6.2 only every 2 MB of the
+    file: there the dataset is 20 MB of values that do not compress."""
+    limit = Limit("100000/s")
+    with RedisServer("--key-load-delay", "100") as server:
+        client = server.client()
+        keys = 20_000
+        with contextlib.suppress(redis.ResponseError):  # 7.0 and later
+            client.config_set("loading-process-events-interval-bytes", 1024)
+            server.extra = (*server.extra, "--loading-process-events-interval-bytes", "1024")
+            keys = 8_000
+        pipe = client.pipeline(transaction=False)
+        for i in range(keys):
+            pipe.set(f"fill:{i}", os.urandom(1000))
+        pipe.execute()
+        client.save()
+        limiter = Limiter.from_url(server.url, prefix="loading")
+        assert limiter.acquire("k", limit).allowed
+        server.stop()
+        starting = threading.Thread(target=server.start)  # returns once it has loaded
+        starting.start()
+        seen: dict[str, set[str]] = {"sync": set(), "async": set()}
+        try:
+            deadline = time.monotonic() + 30
+            while starting.is_alive():
+                assert time.monotonic() < deadline, seen
+                for kind in ("sync", "async"):
+                    try:
+                        if kind == "sync":
+                            limiter.acquire("k", limit)
+                        else:
+                            asyncio.run(_acquire_async(server.url, limit))
+                    except LimiterUnavailable as exc:  # LimiterMisconfigured fails the test
+                        if "loading" in str(exc):
+                            seen[kind].add("loading")
+                time.sleep(0.02)
+        finally:
+            starting.join()
+        if "--loading-process-events-interval-bytes" in server.extra:
+            assert seen == {"sync": {"loading"}, "async": {"loading"}}, seen
+        else:  # 6.2 answers a few times a load: one of the two calls sees it
+            assert {"loading"} in seen.values(), seen
+        assert limiter.acquire("k", limit).allowed
+        limiter.client.close()
