@@ -32,7 +32,7 @@ from celery_ratelimit import (
 from celery_ratelimit._engine.failures import version_error
 from tests.fault_nodes import Fleet
 from tests.nodes import rabbitmq_reachable, unique_prefix
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer, free_port, tls_redis
 
 pytestmark = [pytest.mark.celery, pytest.mark.timeout(240)]
 
@@ -81,6 +81,10 @@ CASES = {
         lambda s: _url(s, "noeval@"),
         r"refused the limiter's credentials",
     ),
+    "an untrusted certificate": (
+        lambda s: "",  # a TLS server of its own, below
+        r"(?i)certificate verify failed.*ssl_ca_certs",
+    ),
     "a key of another type": (
         lambda s: _url(s),
         r"holds a value of another type.*ratelimit_key_prefix",
@@ -109,6 +113,13 @@ def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
         request.addfinalizer(locked.close)
         locked.client().config_set("requirepass", "s3cret")
         limiter_url = f"redis://127.0.0.1:{locked.port}/0"
+    elif case == "an untrusted certificate":
+        # a TLS server whose CA the limiter's URL does not name (no ssl_ca_certs)
+        (tmp_path / "tls").mkdir()
+        stack = contextlib.ExitStack()
+        request.addfinalizer(stack.close)
+        port, _ca = stack.enter_context(tls_redis(tmp_path / "tls"))
+        limiter_url = f"rediss://127.0.0.1:{port}/0"
     else:
         limiter_url = make_url(server)
     fleet = Fleet(
@@ -153,13 +164,14 @@ def test_a_misconfigured_limiter_fails_tasks_at_once_with_one_clear_log_line(
         fleet.stop()
 
 
-@pytest.mark.parametrize("form", ["redis", "redis+cluster", "redis+sentinel"])
+@pytest.mark.parametrize("form", ["redis", "rediss", "redis+cluster", "redis+sentinel"])
 def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
     server: RedisServer, tmp_path: Path, form: str
 ) -> None:
     port = free_port()
     closed = {
         "redis": f"redis://:hunter2@127.0.0.1:{port}/0",
+        "rediss": f"rediss://:hunter2@127.0.0.1:{port}/0",
         # the README's forms, every node closed: a Cluster client asks for the slot map
         # at its first command, a Sentinel client for the primary
         "redis+cluster": f"redis+cluster://127.0.0.1:{port},127.0.0.1:{free_port()}",
@@ -176,7 +188,7 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
     try:
         fleet.add(1)
         ids = [fleet.send("limited", i) for i in range(4)]
-        if form == "redis":
+        if form in ("redis", "rediss"):
             # a URL that never answered is most likely wrong: the node says so at
             # ERROR, naming the setting and the URL (not its password), before the
             # tasks' warnings
@@ -186,7 +198,7 @@ def test_a_closed_port_is_named_at_start_and_deferrals_warned_once_per_interval(
             errors = fleet.grep("nothing answered")
             assert len(errors) == 1, errors
             assert "ERROR" in errors[0] and "ratelimit_redis_url" in errors[0]
-            assert f"'redis://:***@127.0.0.1:{port}/0'" in errors[0]
+            assert f"'{form}://:***@127.0.0.1:{port}/0'" in errors[0]
             assert "Connection refused" in errors[0]
         # each task is deferred again and again (how often in a given time depends on
         # the machine's load: wait until every one was deferred twice)...

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ from celery_ratelimit._engine.scripts import source
 from tests.calls import ACQUIRE, CONFIRM, PEEK, RELEASE, RESERVE, RESTAMP, decide
 from tests.fault_nodes import Fleet, deferred_ids, print_on_failure
 from tests.nodes import unique_prefix
-from tests.redis_server import RedisServer, free_port, redis_binary
+from tests.redis_server import RedisServer, tls_redis
 
 LOG = Limit("3/200ms")
 
@@ -332,48 +331,11 @@ def test_an_acl_user_with_only_its_prefix_and_the_listed_commands_suffices(
 # -- 10. TLS ----------------------------------------------------------------------------
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
     """A redis-server on TLS only, its certificate signed by a CA made here."""
-    d = tmp_path_factory.mktemp("tls")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-            "-out", "ca.crt", "-days", "1", "-subj", "/CN=crl-test-ca", cwd=d)  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
-            "-out", "server.csr", "-subj", "/CN=localhost", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext",
-            cwd=d)  # fmt: skip
-    port = free_port()
-    binary = redis_binary()
-    assert binary is not None
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
-         "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no",
-         "--save", "", "--dir", str(d)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(d / "ca.crt"))
-                client.ping()
-                client.close()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.skip("this redis-server cannot serve TLS")
-                time.sleep(0.05)
-        yield port, d / "ca.crt"
-    finally:
-        proc.kill()
-        proc.wait()
+    with tls_redis(tmp_path_factory.mktemp("tls")) as served:
+        yield served
 
 
 def test_rediss_verifies_the_certificate_by_default(tls_server: tuple[int, Path]) -> None:
