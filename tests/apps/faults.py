@@ -153,36 +153,29 @@ def door_erp(self: Any, k: str, i: int) -> int:
 
 # A concurrency slot's lease, by where it comes from: the app's setting, the task's own
 # option, the task's time_limit (which wins over the option).
-@app.task(base=RateLimitedTask, ratelimit=Concurrency(1, key="leased"), bind=True)
-def leased(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(3)
-    return i
+def _leased(name: str, key: str, **options: Any) -> Any:
+    """A task holding a slot of Concurrency(1, key=key) for 3 s, with ``options``."""
+
+    @app.task(
+        base=RateLimitedTask,
+        ratelimit=Concurrency(1, key=key),
+        bind=True,
+        name=f"{__name__}.{name}",
+        **options,
+    )
+    def leased(self: Any, i: int) -> int:
+        record(self, i=i)
+        time.sleep(3)
+        return i
+
+    return leased
 
 
-@app.task(
-    base=RateLimitedTask,
-    ratelimit=Concurrency(1, key="leased:own"),
-    ratelimit_concurrency_lease=11,
-    bind=True,
+leased = _leased("leased", "leased")
+leased_own = _leased("leased_own", "leased:own", ratelimit_concurrency_lease=11)
+leased_timed = _leased(
+    "leased_timed", "leased:timed", ratelimit_concurrency_lease=11, time_limit=20
 )
-def leased_own(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(3)
-    return i
-
-
-@app.task(
-    base=RateLimitedTask,
-    ratelimit=Concurrency(1, key="leased:timed"),
-    ratelimit_concurrency_lease=11,
-    time_limit=20,
-    bind=True,
-)
-def leased_timed(self: Any, i: int) -> int:
-    record(self, i=i)
-    time.sleep(3)
-    return i
 
 
 @app.task(base=RateLimitedTask, ratelimit=Limit("100/m", key="pauser"), bind=True)
