@@ -9,7 +9,8 @@
     CONFIG RESETSTAT) at cost 1 and cost 1000, and with 2 and 4 stacked limits, in
     steady state (entries expire as fast as they arrive).
 (b3) a backlog: ``cmdstat_evalsha`` microseconds per reserving call behind a line of
-    reservations (2/s, 300 ahead: the first fit walks the line's first entries), beside
+    reservations (2/s, 300 ahead: the first fit walks the line's first entries), and per
+    start of a reservation whose slot has come (a deferred task's second call), beside
     a plain call's in the same run.
 (c) memory: MEMORY USAGE per entry of a full log key at limits 100, 1000, 10000, and
     the bytes of a counter key.
@@ -430,20 +431,37 @@ def _slowlog_variant(command: bytes) -> str | None:
 
 
 def backlog(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
-    """(b3): Redis-side cost of a reserving call behind a line of reservations, and of a
-    plain call that never binds, interleaved."""
+    """(b3): Redis-side cost of a reserving call behind a line of reservations, of a
+    reservation's start at its slot (a deferred task's second call), and of a plain call
+    that never binds, interleaved."""
     client = server.client()
     limiter = Limiter(client, prefix="bench-b3")
     line, free = Limit("2/s"), Limit("1000000000/200ms")
     for _ in range(300):
         limiter.acquire("line", line, reserve=True, horizon=86_400)
-    samples: dict[str, list[float]] = {"reserve behind 300": [], "plain, never binds": []}
-    for _ in range(rounds):
+    samples: dict[str, list[float]] = {
+        "reserve behind 300": [],
+        "plain, never binds": [],
+        "start at its slot": [],
+    }
+    # a deferred task's second call: its reservation started when its slot comes, in a
+    # window of `calls` that as many plain calls filled, and as many reservations follow
+    due = Limit(f"{calls}/200ms")
+    for round_ in range(rounds):
         for name in samples:
+            tokens = []
+            if name == "start at its slot":
+                for _ in range(calls):
+                    limiter.acquire(f"due{round_}", due)
+                for _ in range(calls):
+                    tokens.append(limiter.acquire(f"due{round_}", due, reserve=True).token)
+                time.sleep(0.25)  # every slot has come
             client.config_resetstat()
-            for _ in range(calls):
+            for i in range(calls):
                 if name == "plain, never binds":
                     limiter.acquire("free", free)
+                elif name == "start at its slot":
+                    limiter.confirm(tokens[i], f"due{round_}", due)
                 else:
                     limiter.acquire("line", line, reserve=True, horizon=86_400)
             usec, count = _evalsha_usec(client)
@@ -451,9 +469,9 @@ def backlog(server: RedisServer, rounds: int, calls: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         k: {"usec_per_call": round(statistics.median(v), 2)} for k, v in samples.items()
     }
-    out["reserve / plain"] = round(
-        out["reserve behind 300"]["usec_per_call"] / out["plain, never binds"]["usec_per_call"], 3
-    )
+    plain = out["plain, never binds"]["usec_per_call"]
+    out["reserve / plain"] = round(out["reserve behind 300"]["usec_per_call"] / plain, 3)
+    out["start / plain"] = round(out["start at its slot"]["usec_per_call"] / plain, 3)
     client.close()
     return out
 
