@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
-from celery_ratelimit import Concurrency, Limit, Limiter, Rate
+from celery_ratelimit import Concurrency, Limit, Limiter, Rate, RateLimitedTask, install
 from celery_ratelimit._engine import failures as _failures
 from celery_ratelimit._engine.keys import render
+from celery_ratelimit._tools.ops import known_limits, status
 from tests.examples_env import run
 from tests.redis_server import RedisServer, free_port
 
@@ -264,6 +266,30 @@ def test_explain_resolves_install_rules_and_reports_bad_calls(env: dict[str, str
     assert result.returncode != 0 and f"{APP}.search_list" in result.stderr
 
 
+def test_status_names_each_source_of_a_key_once(limiter: Limiter) -> None:
+    """Three forms on one key template: ``status`` names the rule of a task's exact name
+    once ("rule X"), not again as the task X its install limited; the other tasks by
+    their names."""
+    app = Celery("sources", broker="memory://", set_as_current=False)
+    app.conf.ratelimit_rules = {"sources.by_rule": Limit("5/s", key="api:{tenant}")}
+
+    @app.task(name="sources.by_rule", shared=False)
+    def by_rule(tenant: str) -> None: ...
+
+    @app.task(
+        name="sources.by_base",
+        base=RateLimitedTask,
+        ratelimit=Limit("5/s", key="api:{tenant}"),
+        shared=False,
+    )
+    def by_base(tenant: str) -> None: ...
+
+    install(app)
+    limiter.acquire("api:acme", "5/s")
+    rows = status(limiter, known_limits(app))
+    assert [row.sources for row in rows] == [["rule sources.by_rule", "sources.by_base"]]
+
+
 def test_explain_fails_clearly_without_a_traceback(env: dict[str, str]) -> None:
     explain = (sys.executable, "-m", "celery_ratelimit", "explain")
     result = run(*explain, "-A", "nosuchmodule", "t", env=env)
@@ -401,12 +427,12 @@ def test_status_and_explain_show_running_bodies_waiters_and_a_pause(
     acme = row(out, "acme:erp")
     assert acme[1:7] == ["-", "conc", "1/1", "running", "0", "1"]
     assert "{tenant}:erp@1 at once" in out
-    assert 0 < seconds_after(out, "paused erp: nothing is granted on it") <= 30
+    assert 0 < seconds_after(out, "paused erp: nothing is granted; the pause ends") <= 30
     out = cli("explain", "-A", erp, f"{erp}.sync_page", "acme", "1", env=env)
     assert "1. erp@20/s" in out or "erp@20/s" in out
     assert "{tenant}:erp@1 at once  (at most 1 running at once)" in out
     assert "now        1 running, 1 waiting for a turn" in out
-    assert 0 < seconds_after(out, "paused erp: nothing is granted on it") <= 30
+    assert 0 < seconds_after(out, "paused erp: nothing is granted; the pause ends") <= 30
     assert "decision  denied by a pause of its key (an upstream's 429)" in out
     limiter.client.close()
 
@@ -415,17 +441,24 @@ def test_pause_and_resume_by_both_command_lines(
     server: RedisServer, limiter: Limiter, env: dict[str, str]
 ) -> None:
     """``pause KEY SECONDS`` stops every grant on the key; ``resume KEY`` ends it at once
-    and says how much was left; a second resume says there was no pause."""
+    for new calls and says how much was left (a call deferred past the pause keeps its
+    slot); a second resume says there was no pause."""
     search = Limit(SEARCH)
     out = cli("pause", "yt:search:key1", "30", "--url", server.url, "--prefix", "example", env=env)
     assert (
         out.strip() == "yt:search:key1: paused on every worker, nothing is granted on it for 30.0s"
     )
     assert 29 < limiter.peek("yt:search:key1", search).retry_after <= 30
+    # a task deferred during the pause: its slot is placed past it
+    deferred = limiter.acquire("yt:search:key1", search, reserve=True, horizon=60)
+    assert deferred.reserved and 29 < deferred.retry_after <= 31
     result = run(CELERY, "-A", APP, "ratelimit", "resume", "yt:search:key1", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("yt:search:key1: resumed (")
-    assert limiter.peek("yt:search:key1", search).allowed
+    assert limiter.peek("yt:search:key1", search).allowed  # new calls are free again
+    # the README's "tasks deferred past the pause keep those slots": not started earlier
+    kept = limiter.confirm(deferred.token, "yt:search:key1", search, horizon=60)
+    assert not kept.allowed and kept.reserved and kept.retry_after > 25, kept
     assert cli("resume", "yt:search:key1", "-A", APP, env=env).strip() == (
         "yt:search:key1: was not paused"
     )

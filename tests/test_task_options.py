@@ -248,8 +248,10 @@ def test_rules_prefer_an_exact_name_then_the_first_matching_glob() -> None:
 
 
 def test_a_bad_rule_is_rejected_naming_the_pattern() -> None:
-    with pytest.raises(InvalidRate, match="10/x"):
+    with pytest.raises(InvalidRate, match=r"^ratelimit_rules\['proj.\*'\]: cannot parse .*'10/x'"):
         Rules({"proj.*": "10/x"})
+    with pytest.raises(InvalidLimit, match=r"^ratelimit_rules\['proj.one'\]: "):
+        Rules({"proj.one": []})
     with pytest.raises(TypeError, match=r"ratelimit_rules\['proj.\*'\]"):
         Rules({"proj.*": 10})
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
-from .._engine.exceptions import InvalidLimit
+from .._engine.exceptions import InvalidLimit, InvalidRate
 from .._engine.limit import Limit, to_limits
 from .settings import check_app_settings, setting
 from .task import wrap_before_start
@@ -44,7 +44,11 @@ class Rules:
                 raise InvalidLimit(
                     f"ratelimit_rules keys must be task name patterns, got {pattern!r}"
                 )
-            limits = to_limits(spec, f"ratelimit_rules[{pattern!r}]")
+            what = f"ratelimit_rules[{pattern!r}]"
+            try:
+                limits = to_limits(spec, what)
+            except (InvalidRate, InvalidLimit) as exc:
+                raise type(exc)(f"{what}: {exc}") from None  # which rule, not only what
             if any(ch in pattern for ch in "*?["):
                 self.globs.append((pattern, limits))
             else:

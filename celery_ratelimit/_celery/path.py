@@ -338,7 +338,7 @@ def _why(decision: Decision, limits: tuple[Any, ...]) -> tuple[str, str]:
     """What held a call back: the event's ``why`` and the log's words."""
     limit = decision.limit
     if decision.paused:
-        return "paused", "its key is paused (an upstream answered 429)"
+        return "paused", "its key is paused (an operator's pause, or an upstream's 429)"
     if isinstance(limit, Concurrency):
         return "concurrency", f"waiting for a slot of {limit.label}"
     return "limit", f"rate limited by {limit.label if limit else describe(limits)}"

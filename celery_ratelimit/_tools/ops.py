@@ -397,7 +397,9 @@ def read_rows(
         matching = [k for k in known if k.matches(name)]
         if matching:
             row.limit = matching[0].limit
-            row.sources = sorted({k.source for k in matching})
+            sources = {k.source for k in matching}
+            # a task limited by a rule of its exact name is that rule: named once
+            row.sources = sorted(s for s in sources if f"rule {s}" not in sources)
             decision = limiter.peek((), (row.limit,), guard=guard, redis_keys=[name.redis_key])
             row.remaining = decision.remaining
             row.next_free = decision.retry_after

@@ -108,7 +108,9 @@ def format_settings(rows: Sequence[KeySettings]) -> list[str]:
     lines = []
     for row in rows:
         if row.paused_for:
-            lines.append(f"paused {row.key}: nothing is granted on it {in_seconds(row.paused_for)}")
+            lines.append(
+                f"paused {row.key}: nothing is granted; the pause ends {in_seconds(row.paused_for)}"
+            )
         if row.override is not None:
             left = row.override_for
             until = "until unset" if left is None else f"ends {in_seconds(left)}"
