@@ -271,7 +271,9 @@ def test_status_names_each_source_of_a_key_once(limiter: Limiter) -> None:
     once ("rule X"), not again as the task X its install limited; the other tasks by
     their names."""
     app = Celery("sources", broker="memory://", set_as_current=False)
-    app.conf.ratelimit_rules = {"sources.by_rule": Limit("5/s", key="api:{tenant}")}
+    # a key template no other test's task has (shared tasks join every app)
+    template = "sources-api:{tenant}"
+    app.conf.ratelimit_rules = {"sources.by_rule": Limit("5/s", key=template)}
 
     @app.task(name="sources.by_rule", shared=False)
     def by_rule(tenant: str) -> None: ...
@@ -279,13 +281,13 @@ def test_status_names_each_source_of_a_key_once(limiter: Limiter) -> None:
     @app.task(
         name="sources.by_base",
         base=RateLimitedTask,
-        ratelimit=Limit("5/s", key="api:{tenant}"),
+        ratelimit=Limit("5/s", key=template),
         shared=False,
     )
     def by_base(tenant: str) -> None: ...
 
     install(app)
-    limiter.acquire("api:acme", "5/s")
+    limiter.acquire("sources-api:acme", "5/s")
     rows = status(limiter, known_limits(app))
     assert [row.sources for row in rows] == [["rule sources.by_rule", "sources.by_base"]]
 

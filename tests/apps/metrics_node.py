@@ -72,10 +72,10 @@ PACED = Limit("10/s", key="metrics-node-paced", burst=1, name="metrics-node-pace
 @app.task(base=RateLimitedTask, ratelimit=PACED)
 def spin(i: int) -> int:
     """Yields 50 ms (the node takes the next task and its grant 100 ms ahead), then holds
-    its process for 0.5 s without yielding (a CPU-bound body on a green pool): the next
+    its process for 0.3 s without yielding (a CPU-bound body on a green pool): the next
     greenlet wakes from its wait that much late."""
     time.sleep(0.05)
-    until = time.monotonic() + 0.5
+    until = time.monotonic() + 0.3
     while time.monotonic() < until:
         pass
     redis.Redis.from_url(BROKER).rpush(f"{PREFIX}:runs", f"s{i}")
