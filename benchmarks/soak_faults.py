@@ -136,6 +136,8 @@ class PrivateRabbit:
 
     def __init__(self) -> None:
         self.port, self.dist_port = free_port(), free_port()
+        while self.dist_port == self.port:  # neither is bound yet: both asks may get one
+            self.dist_port = free_port()
         self.node = f"soak{os.getpid()}@localhost"
         self.dir = tempfile.mkdtemp(prefix="crl-rabbit-")
         with open(os.path.join(self.dir, "rabbitmq.conf"), "w") as conf:

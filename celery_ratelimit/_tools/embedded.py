@@ -170,15 +170,21 @@ def start_cluster(primaries: int = 3) -> list[RedisServer]:
     if cli is None:
         raise RuntimeError("no redis-cli found: install Redis (apt-get install redis-server)")
     # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
-    # often above 55535: give each node a bus port of its own
-    nodes = [
-        RedisServer(
-            "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-            "--cluster-port", str(free_port()),
-        )
-        for _ in range(primaries)
-    ]  # fmt: skip
+    # often above 55535: give each node a bus port of its own, never its own port (two
+    # asks for a free port can get the same one while neither is bound yet)
+    nodes: list[RedisServer] = []
     try:
+        for _ in range(primaries):
+            port = free_port()
+            bus = free_port()
+            while bus == port:
+                bus = free_port()
+            nodes.append(
+                RedisServer(
+                    "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
+                    "--cluster-port", str(bus), port=port,
+                )
+            )  # fmt: skip
         subprocess.run(
             [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
              "--cluster-replicas", "0", "--cluster-yes"],
