@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from celery_ratelimit._tools.embedded import RedisServer, free_port
+from celery_ratelimit._tools.embedded import RedisServer, free_ports
 
 #: fault class -> its weight in the schedule's draw
 NODE_FAULTS = {"kill9": 3, "term": 2}
@@ -135,9 +135,7 @@ class PrivateRabbit:
     touched: every command here names this node)."""
 
     def __init__(self) -> None:
-        self.port, self.dist_port = free_port(), free_port()
-        while self.dist_port == self.port:  # neither is bound yet: both asks may get one
-            self.dist_port = free_port()
+        self.port, self.dist_port = free_ports(2)
         self.node = f"soak{os.getpid()}@localhost"
         self.dir = tempfile.mkdtemp(prefix="crl-rabbit-")
         with open(os.path.join(self.dir, "rabbitmq.conf"), "w") as conf:

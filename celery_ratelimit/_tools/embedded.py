@@ -56,6 +56,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different ports that were free a moment ago: the sockets are held open
+    together, so that no two asks get the same one (none is bound yet by its user)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 class RedisServer:
     """One private redis-server on a free loopback port; nothing is kept on disk.
 
@@ -170,15 +180,11 @@ def start_cluster(primaries: int = 3) -> list[RedisServer]:
     if cli is None:
         raise RuntimeError("no redis-cli found: install Redis (apt-get install redis-server)")
     # the cluster bus listens on port + 10000 unless told otherwise, and free ports are
-    # often above 55535: give each node a bus port of its own, never its own port (two
-    # asks for a free port can get the same one while neither is bound yet)
+    # often above 55535: give each node a bus port of its own, never its own port
     nodes: list[RedisServer] = []
     try:
         for _ in range(primaries):
-            port = free_port()
-            bus = free_port()
-            while bus == port:
-                bus = free_port()
+            port, bus = free_ports(2)
             nodes.append(
                 RedisServer(
                     "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
