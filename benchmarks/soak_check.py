@@ -481,10 +481,14 @@ def held(client: Any, prefix: str) -> list[str]:
     window, lease and claim): reservations, concurrency holders, waiters and turns,
     handoff lists, fair queues, parked copies and claims, and any key without an
     expiry. A sorted set's meta members (scored below 10**13, docs/storage.md: a log's
-    totals, a holders set's average hold) are not entries; the park's counts (a
+    totals, a holders set's average hold) are not entries, nor is a concurrency holder
+    whose lease has run out (its slot is free: the key's next decision sweeps it, a
+    node killed mid-body leaves one) or that holder's start; the park's counts (a
     monitoring hash) and wake-up list may stay, and the indexes of paused and overridden
     keys hold only until their entries lapse."""
     left = []
+    seconds, micros = client.time()
+    now = seconds * 1_000_000 + micros
     for raw in client.scan_iter(match=f"{prefix}:*", count=500):
         key = raw.decode()
         if key.endswith((":counts", ":wake")) and "{park:" in key:
@@ -497,12 +501,20 @@ def held(client: Any, prefix: str) -> list[str]:
             if size or ttl == -1:
                 left.append(f"{key} ({kind}, {size} in force, ttl {ttl} ms)")
             continue
-        size = {
-            "zset": lambda k: client.zcount(k, META, "+inf"),
-            "hash": client.hlen,
-            "list": client.llen,
-            "set": client.scard,
-        }.get(kind, lambda _: 1)(raw)
+        if key.endswith(":conc:0"):
+            size = client.zcount(raw, f"({now}", "+inf")  # leases still running
+        elif key.endswith(":conc:0:s"):
+            # the starts of holders whose lease still runs, or that have no holder
+            holders = dict(client.zrange(raw[:-2], 0, -1, withscores=True))
+            starts = client.zrange(raw, 0, -1)
+            size = sum(1 for t in starts if holders.get(t, now + 1) > now)
+        else:
+            size = {
+                "zset": lambda k: client.zcount(k, META, "+inf"),
+                "hash": client.hlen,
+                "list": client.llen,
+                "set": client.scard,
+            }.get(kind, lambda _: 1)(raw)
         if size or ttl == -1:
             left.append(f"{key} ({kind}, {size} entries, ttl {ttl} ms)")
     return left

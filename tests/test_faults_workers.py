@@ -536,6 +536,35 @@ def test_a_concurrency_slots_lease_comes_from_the_time_limit_the_task_or_the_app
     limiter.client.close()
 
 
+def test_a_release_redis_did_not_take_is_given_back_when_redis_answers(
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+) -> None:
+    """``Concurrency(1)`` on the app's 300 s lease: the limiter's Redis is paused
+    (SIGSTOP) as the body ends, so its release times out. The node tries the release
+    again until Redis answers: the next task of the key starts seconds after Redis is
+    back, not when the lease runs out."""
+    _broker, limiter = servers
+    assert limiter.proc is not None
+    fleet.add(1)
+    first = fleet.send("leased", 0)
+    fleet.wait_for_runs([first], 30, settle=0)
+    time.sleep(1.5)  # the body runs 3 s from its record: Redis is paused before it ends
+    os.kill(limiter.proc.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while not fleet.grep("could not release a concurrency slot"):
+            assert time.monotonic() < deadline, "the release did not fail: nothing tested"
+            time.sleep(0.1)
+    finally:
+        os.kill(limiter.proc.pid, signal.SIGCONT)
+    back = time.monotonic()
+    second = fleet.send("leased", 1)
+    fleet.wait_for_runs([second], 60, settle=0)
+    waited = time.monotonic() - back
+    print(f"\n[release again] the next body started {waited:.1f}s after Redis was back")
+    assert waited < 30  # the lease is 300 s
+
+
 def test_deferrals_for_an_unreachable_redis_count_toward_max_deferrals(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer]
 ) -> None:

@@ -1,6 +1,7 @@
 """The soak's verdict reads the Redis broker's append-only file: a message pushed onto a
 queue and popped with no delivery recorded after (kombu's ``BRPOP`` gap) is told apart
-from one delivered, on a real redis-server's AOF (``benchmarks.soak_check``)."""
+from one delivered, on a real redis-server's AOF; what the limiter's Redis still holds
+counts a concurrency slot while its lease runs, not after (``benchmarks.soak_check``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.soak_check import popped_unseen, queued_ids
+from benchmarks.soak_check import held, popped_unseen, queued_ids
+from celery_ratelimit import Concurrency, Limiter
 from tests.redis_server import RedisServer
 
 
@@ -40,5 +42,24 @@ def test_a_pop_without_a_delivery_is_told_from_a_delivered_or_waiting_message() 
         assert popped_unseen(data, set(ids)) == {lost, waiting}
         assert popped_unseen(data, set(ids)) - queued_ids(client) == {lost}
         assert popped_unseen(data, {delivered}) == set()
+    finally:
+        server.close()
+
+
+def test_a_slot_is_held_while_its_lease_runs_and_not_after() -> None:
+    """A body killed mid-run leaves its slot to lapse: held (its holder and its start)
+    until the lease runs out, then not (the key's next decision sweeps it)."""
+    server = RedisServer()
+    try:
+        limiter = Limiter(server.client(), prefix="soakcheck")
+        assert limiter.acquire("k", Concurrency(1), lease=0.5).allowed
+        assert sorted(line.split(" ")[0] for line in held(server.client(), "soakcheck")) == [
+            "soakcheck:{k}:conc:0",
+            "soakcheck:{k}:conc:0:s",
+        ]
+        time.sleep(0.6)
+        assert held(server.client(), "soakcheck") == []
+        assert limiter.acquire("k", Concurrency(1), lease=30).allowed  # it was free
+        assert len(held(server.client(), "soakcheck")) == 2
     finally:
         server.close()

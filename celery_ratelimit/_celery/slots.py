@@ -4,11 +4,14 @@ A body's slot (see ``Concurrency`` and ``lua/lib/concurrency.lua``) is taken by 
 lets it run. While the body runs, a thread of this process renews its lease every third
 of it; when the body ends, on every exit the tracer reports (success, an exception,
 ``Retry``, ``Reject``, ``Ignore``, a soft time limit), the ``task_postrun`` handler
-releases it. A body started on a turn handed over to it (``check.handed``) holds its
-slot on a short lease at first: its first renewal comes before that lease runs out
-(``due``). A body that cannot end normally (its process killed by a hard time limit,
-``revoke(terminate=True)``, a lost node) stops being renewed: its slot comes back when
-its lease runs out.
+releases it. A release Redis did not take (a connection reset, Redis paused or
+restarting) is tried again by that thread, every tick until its lease would have run out
+(after which the slot has come back by itself): a slot freed during a blip of Redis
+idles for the blip, not for its lease (300 s by default). A body started on a turn
+handed over to it (``check.handed``) holds its slot on a short lease at first: its first
+renewal comes before that lease runs out (``due``). A body that cannot end normally (its
+process killed by a hard time limit, ``revoke(terminate=True)``, a lost node) stops being
+renewed: its slot comes back when its lease runs out.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class Held:
 
 
 _held: dict[str, Held] = {}
+#: Slots whose release failed, to be tried again by the renewer thread.
+_unreleased: list[Held] = []
 _lock = threading.Lock()
 _renewer_pid: int | None = None
 #: Wakes the renewer for a slot whose first renewal is due sooner than its next tick.
@@ -82,7 +87,8 @@ def hold(request: Any, held: Held) -> None:
 
 
 def release(request: Any) -> None:
-    """Give back the slot the body of ``request`` holds, if any (at most once)."""
+    """Give back the slot the body of ``request`` holds, if any (at most once); one Redis
+    did not take is tried again by the renewer thread."""
     held = getattr(request, SLOT_ATTR, None)
     if held is None:
         return
@@ -90,16 +96,44 @@ def release(request: Any) -> None:
     with _lock:
         _held.pop(held.token, None)
     try:
-        handed = held.limiter.release_handing(held.token, held.keys, held.limits)
-    except Exception as exc:  # the slot comes back when its lease runs out
+        _give_back(held)
+    except Exception as exc:
         logger.warning(
-            "ratelimit: could not release a concurrency slot (%s); it comes back when "
-            "its lease of %gs runs out",
+            "ratelimit: could not release a concurrency slot (%s); trying again until "
+            "Redis answers (at the latest, it comes back when its lease of %gs runs out)",
             exc,
             held.lease,
         )
-        return
+        with _lock:
+            _unreleased.append(held)
+        _start_renewer()
+        _wake.set()
+
+
+def _give_back(held: Held) -> None:
+    handed = held.limiter.release_handing(held.token, held.keys, held.limits)
     call_in_handed(held.app, held.limiter, handed)
+
+
+def _release_again(now: float) -> None:
+    """Try again the releases that failed; drop those whose lease has run out by now
+    (their slots came back: the next decision sweeps them)."""
+    with _lock:
+        pending = list(_unreleased)
+    for held in pending:
+        try:
+            if now < held.renewed + held.lease:
+                _give_back(held)
+            else:
+                logger.info(
+                    "ratelimit: a concurrency slot's lease ran out before Redis "
+                    "took its release; the slot is free again"
+                )
+        except Exception as exc:  # still away: the next tick tries again
+            logger.debug("ratelimit: could not release a concurrency slot: %s", exc)
+            continue
+        with _lock:
+            _unreleased.remove(held)
 
 
 def _start_renewer() -> None:
@@ -122,6 +156,8 @@ def _renew_forever() -> None:
         _wake.wait(max(tick, 0.05))
         _wake.clear()
         now = time.monotonic()
+        if _unreleased:
+            _release_again(now)
         for one in held:
             if one.renew_now(now) and one.token in _held:
                 try:
