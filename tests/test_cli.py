@@ -103,6 +103,10 @@ def test_status_shows_used_over_limit_for_the_apps_limits(
     adhoc = row(out, "adhoc:job")
     assert adhoc[1:8] == ["1m", "log", "3", "?", "0", "-", "?"]
     assert "not declared by the app" in " ".join(adhoc)
+    # -A before the command, as in `celery -A proj worker`: the same report
+    before = cli("-A", APP, "status", env=env)
+    assert "3 active key(s)" in before and row(before, "yt:quota:key1")[1:7] == quota[1:7]
+    assert "not declared by the app" in " ".join(row(before, "adhoc:job"))
 
 
 def test_status_by_url_and_prefix_without_an_app(
@@ -130,9 +134,10 @@ def test_explain_takes_url_and_prefix_and_counts_against_the_override(
     where = ("--url", server.url, "--prefix", "example")
     call = (f"{APP}.search_list", "key1", "US", "--kwargs", '{"query": "cats"}')
     ours = cli("explain", "-A", APP, *call, *where, env=elsewhere)
+    first = cli("-A", APP, *where, "explain", *call, env=elsewhere)  # the options first
     result = run(CELERY, "-A", APP, "ratelimit", "explain", *call, *where, env=elsewhere)
     assert result.returncode == 0, result.stdout + result.stderr
-    for out in (ours, result.stdout):
+    for out in (ours, first, result.stdout):
         assert "used 25/30" in out and "overridden 30/25s (declared 25/25s)" in out
         assert "override yt:search:key1: 30/25s (until unset)" in out
 

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="celery-ratelimit",
         description="One rate limit shared by every Celery worker node, kept in Redis.",
     )
+    # -A, --url and --prefix go before the command (as `celery -A proj worker`) or after
+    # it: the command's own copies default to nothing, so they keep what came before
+    parser.add_argument("-A", "--app", help="the Celery app, module or module:attribute")
+    parser.add_argument("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
+    parser.add_argument("--prefix", help=f"key prefix (default: the app's, else {DEFAULT_PREFIX})")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
@@ -53,10 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PNG", help="draw executions per window and starts over time to this file"
     )
 
-    def where(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("-A", "--app", help="the Celery app, module or module:attribute")
-        sub.add_argument("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
-        sub.add_argument("--prefix", help=f"key prefix (default: the app's, else {DEFAULT_PREFIX})")
+    def where(
+        sub: argparse.ArgumentParser, app: str = "the Celery app, module or module:attribute"
+    ) -> None:
+        kept = argparse.SUPPRESS
+        sub.add_argument("-A", "--app", default=kept, help=app)
+        sub.add_argument(
+            "--url", default=kept, help="Redis URL (default: the app's ratelimit_redis_url)"
+        )
+        sub.add_argument(
+            "--prefix", default=kept, help=f"key prefix (default: the app's, else {DEFAULT_PREFIX})"
+        )
 
     status = commands.add_parser(
         "status", help="each active key: used/limit, remaining, next free slot, reservations"
@@ -99,9 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain = commands.add_parser(
         "explain", help="which limits apply to a call, their Redis keys, a decision (peek)"
     )
-    explain.add_argument("-A", "--app", required=True, help="the Celery app (its tasks' limits)")
-    explain.add_argument("--url", help="Redis URL (default: the app's ratelimit_redis_url)")
-    explain.add_argument("--prefix", help="key prefix (default: the app's)")
+    where(explain, "the Celery app (its tasks' limits), required")
     explain.add_argument("task", help="task name")
     explain.add_argument("args", nargs="*", help="positional arguments (JSON, else text)")
     explain.add_argument("--kwargs", default="{}", help="keyword arguments as a JSON object")
@@ -363,7 +373,10 @@ def safe_url(limiter: Limiter) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "explain" and not args.app:
+        parser.error("explain needs the app: -A/--app")
     if args.command == "demo":
         from .demo import main as demo
 
