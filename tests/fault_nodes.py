@@ -165,10 +165,12 @@ class Fleet:
         *,
         wrapper: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        pool: str = "prefork",
         **settings: str,
     ) -> list[Node]:
-        """Start ``count`` more nodes (``CRL_*`` settings as keywords, other variables in
-        ``env``, a command prefix such as ``faketime`` in ``wrapper``); wait for them."""
+        """Start ``count`` more nodes on ``pool`` (``CRL_*`` settings as keywords, other
+        variables in ``env``, a command prefix such as ``faketime`` in ``wrapper``); wait
+        for them."""
         self.logdir.mkdir(parents=True, exist_ok=True)
         env = {
             **(env or {}),
@@ -182,7 +184,7 @@ class Fleet:
         added = []
         for _ in range(count):
             name = f"node{len(self.nodes) + 1}-{self.prefix}"
-            node = Node(name, env, self.logdir / f"{name}.log", wrapper=wrapper)
+            node = Node(name, env, self.logdir / f"{name}.log", wrapper=wrapper, pool=pool)
             self.nodes.append(node.start())
             added.append(node)
         with stopped_on_failure(self.stop):

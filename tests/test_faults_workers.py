@@ -536,16 +536,18 @@ def test_a_concurrency_slots_lease_comes_from_the_time_limit_the_task_or_the_app
     limiter.client.close()
 
 
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_a_release_redis_did_not_take_is_given_back_when_redis_answers(
-    fleet: Fleet, servers: tuple[RedisServer, RedisServer]
+    fleet: Fleet, servers: tuple[RedisServer, RedisServer], pool: str
 ) -> None:
     """``Concurrency(1)`` on the app's 300 s lease: the limiter's Redis is paused
     (SIGSTOP) as the body ends, so its release times out. The node tries the release
-    again until Redis answers: the next task of the key starts seconds after Redis is
-    back, not when the lease runs out."""
+    again until Redis answers (a thread of the pool process; a greenlet on gevent): the
+    next task of the key starts seconds after Redis is back, not when the lease runs
+    out."""
     _broker, limiter = servers
     assert limiter.proc is not None
-    fleet.add(1)
+    fleet.add(1, pool=pool)
     first = fleet.send("leased", 0)
     fleet.wait_for_runs([first], 30, settle=0)
     time.sleep(1.5)  # the body runs 3 s from its record: Redis is paused before it ends
