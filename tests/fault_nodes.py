@@ -93,13 +93,15 @@ class Node:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 5) -> None:
+        """SIGTERM, up to ``grace`` seconds for the warm shutdown, then SIGKILL to the
+        process group."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
+                self.proc.wait(grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # no pool child may outlive the test
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -193,10 +195,13 @@ class Fleet:
         return added
 
     def stop(self) -> None:
-        for node in self.nodes:  # every node shuts down at once, not one after another
-            node.kill(signal.SIGTERM)
+        """Stop every node, the test being over: SIGTERM to all at once, a moment's grace,
+        then SIGKILL (a warm shutdown takes a second or more and shows nothing)."""
         for node in self.nodes:
-            node.stop()
+            node.kill(signal.SIGTERM)
+        deadline = time.monotonic() + 0.3
+        for node in self.nodes:
+            node.stop(grace=max(0.0, deadline - time.monotonic()))
         if self._producer is not None:
             self._producer.close()
             self._producer = None

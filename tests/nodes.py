@@ -169,15 +169,15 @@ class Nodes:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """Stop every node: SIGTERM, a second's grace, then SIGKILL to each process group
-        (the test is over: a green pool's warm shutdown takes seconds and shows nothing)."""
+        """Stop every node: SIGTERM, a moment's grace, then SIGKILL to each process group
+        (the test is over: a warm shutdown takes a second or more and shows nothing)."""
         # results still referenced by a cycle unsubscribe when collected: let them do
         # it now, while the backend's redis-server is still up
         gc.collect()
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 1
+        deadline = time.monotonic() + 0.3
         for proc in self.procs:
             with suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))

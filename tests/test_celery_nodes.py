@@ -306,11 +306,11 @@ def test_a_body_reads_its_deferrals_and_decision_on_every_pool_and_form(
     """The README's ``self.request.ratelimit_deferrals`` and ``ratelimit_decision``, read
     as attributes: 0 deferrals in a body that ran at its first try (the header comes with
     a deferral), the count after; a Decision always. Three calls of each form at once
-    under 1/s: the first runs at once, the others are deferred."""
+    under 1/s (a key per form): the first runs at once, the others are deferred."""
     nodes = start_nodes(pool=pool, concurrency=concurrency, count=1)
-    for form in ("by_base", "by_decorator", "by_rules"):
-        nodes.clear_budgets()
-        results = [nodes.send(f"reads_request_{form}") for _ in range(3)]
+    forms = ("by_base", "by_decorator", "by_rules")
+    sent = {form: [nodes.send(f"reads_request_{form}") for _ in range(3)] for form in forms}
+    for form, results in sent.items():
         read = [result.get(timeout=30) for result in results]  # raised: an AttributeError
         assert all(r["decision"] == "Decision" and r["allowed_or_reserved"] for r in read), read
         deferrals = sorted(r["deferrals"] for r in read)

@@ -203,14 +203,14 @@ FAKETIME = shutil.which("faketime")
 def test_after_an_outage_overdue_tasks_run_and_none_fails_for_want_of_budget(
     fleet: Fleet, servers: tuple[RedisServer, RedisServer], outage: str
 ) -> None:
-    """80 tasks at 10/s with ``ratelimit_max_deferrals = 5``: every node restarted
+    """80 tasks at 20/s with ``ratelimit_max_deferrals = 5``: every node restarted
     (SIGTERM, back 2 s later) or the limiter's Redis paused for 5 s mid-drain. Slots
     pass meanwhile; their tasks, overdue, must run without the library's own pushes
     failing them, and without a window above the limit."""
-    limit, window_us = 10, 1_000_000
+    limit, window_us = 20, 1_000_000
     fleet.add(3, rate=f"{limit}/s", max_deferrals="5")
     ids = [fleet.send("limited", i) for i in range(80)]
-    time.sleep(2.5)
+    time.sleep(1.5)
     began = time.time()
     if outage.startswith("every node"):
         for node in fleet.nodes:

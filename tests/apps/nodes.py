@@ -54,7 +54,7 @@ app.conf.update(
     ratelimit_park_after=None if PARK == "none" else PARK if PARK == "auto" else float(PARK),
     ratelimit_rules={
         "tests.apps.nodes.via_rules": Limit(RATE, key="shared"),
-        "tests.apps.nodes.reads_request_by_rules": Limit("1/s", key="reads-request"),
+        "tests.apps.nodes.reads_request_by_rules": Limit("1/s", key="reads-request:rules"),
         # a typo no task's name matches: each node says so when it starts
         "tests.apps.nodes.via_rule": Limit(RATE, key="shared"),
         "tests.apps.nodes.shared_*": Limit(RATE, key="shared"),
@@ -146,12 +146,12 @@ def request_read(task: Any) -> dict[str, Any]:
     }
 
 
-@app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="reads-request"), bind=True)
+@app.task(base=RateLimitedTask, ratelimit=Limit("1/s", key="reads-request:base"), bind=True)
 def reads_request_by_base(self: Any) -> dict[str, Any]:
     return request_read(self)
 
 
-@ratelimit("1/s", key="reads-request")
+@ratelimit("1/s", key="reads-request:decorator")
 @app.task(bind=True)
 def reads_request_by_decorator(self: Any) -> dict[str, Any]:
     return request_read(self)
