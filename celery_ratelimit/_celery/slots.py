@@ -116,22 +116,24 @@ def _give_back(held: Held) -> None:
 
 
 def _release_again(now: float) -> None:
-    """Try again the releases that failed; drop those whose lease has run out by now
-    (their slots came back: the next decision sweeps them)."""
+    """Try again the releases that failed, until one fails again (Redis is still away:
+    the next tick tries again, and the renewals of running bodies are not held up by a
+    timeout per release); drop those whose lease has run out by now (their slots came
+    back: the next decision sweeps them)."""
     with _lock:
         pending = list(_unreleased)
     for held in pending:
-        try:
-            if now < held.renewed + held.lease:
+        if now < held.renewed + held.lease:
+            try:
                 _give_back(held)
-            else:
-                logger.info(
-                    "ratelimit: a concurrency slot's lease ran out before Redis "
-                    "took its release; the slot is free again"
-                )
-        except Exception as exc:  # still away: the next tick tries again
-            logger.debug("ratelimit: could not release a concurrency slot: %s", exc)
-            continue
+            except Exception as exc:
+                logger.debug("ratelimit: could not release a concurrency slot: %s", exc)
+                return
+        else:
+            logger.info(
+                "ratelimit: a concurrency slot's lease ran out before Redis took its "
+                "release; the slot is free again"
+            )
         with _lock:
             _unreleased.remove(held)
 
